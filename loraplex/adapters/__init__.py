@@ -1,0 +1,1 @@
+"""Adapter runtime: PEFT reading, host tier, device slots, manager, per-step indices."""

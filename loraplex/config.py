@@ -1,0 +1,142 @@
+"""Frozen configs, normalised once: model code never reads raw HF ``config.json`` attributes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loraplex.errors import ModelError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+# The seven adapted projections of a Llama-family block, in a fixed order.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """``rope_scaling`` normalised; ``rope_type`` is "default", "linear", "dynamic" or "llama3"."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, source: str | Path | dict[str, Any]) -> ModelConfig:
+        """Normalise an HF ``config.json`` (a dict, a file or a folder holding one)."""
+        if isinstance(source, dict):
+            raw = source
+        else:
+            path = Path(source)
+            if path.is_dir():
+                path = path / "config.json"
+            if not path.is_file():
+                raise ModelError(f"{path}: no config.json")
+            raw = json.loads(path.read_text())
+        archs = raw.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        scaling = raw.get("rope_scaling") or {}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in ("default", "linear", "dynamic", "llama3"):
+            raise ModelError(f"unsupported rope_scaling type {rope_type!r}")
+        return cls(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_scaling=RopeScaling(
+                rope_type=rope_type,
+                factor=float(scaling.get("factor", 1.0)),
+                low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(
+                    scaling.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
+                ),
+            ),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """Adapted projection name -> (in_features, out_features)."""
+        q_out = self.num_heads * self.head_dim
+        kv_out = self.num_kv_heads * self.head_dim
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (h, q_out),
+            "k_proj": (h, kv_out),
+            "v_proj": (h, kv_out),
+            "o_proj": (q_out, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start; the CLI and ``LLM(...)`` build one of these."""
+
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "auto"  # "auto" = float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    max_loras: int = 4
+    max_cpu_loras: int = 16
+    max_lora_rank: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_blocks: int | None = None  # None: derive from kv_cache_bytes
+    kv_cache_bytes: int = 512 * 1024**2
+    allow_pickle_adapters: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for field in ("max_loras", "max_cpu_loras", "max_lora_rank", "max_num_seqs", "block_size"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"EngineConfig.{field} must be >= 1, got {getattr(self, field)}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"EngineConfig.max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )

@@ -1,0 +1,1 @@
+"""Engine: requests, sampling, scheduler, KV cache, runner, step loop."""

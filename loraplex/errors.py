@@ -1,0 +1,79 @@
+"""Typed errors. Each message names the file, the field and the limit that was violated.
+
+The server maps these to HTTP statuses through ``http_status``; the offline API raises them as is.
+"""
+
+from __future__ import annotations
+
+
+class LoraplexError(Exception):
+    """Base of every error loraplex raises on purpose."""
+
+    http_status = 500
+    error_type = "internal_error"
+
+
+class AdapterError(LoraplexError):
+    """Base of every adapter problem: bad folder, bad name, bad state."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+class AdapterNotFound(AdapterError):
+    """No adapter folder, or no ``adapter_config.json`` in it."""
+
+    http_status = 404
+    error_type = "not_found_error"
+
+
+class InvalidAdapter(AdapterError):
+    """The folder exists but its config or tensors cannot be served."""
+
+
+class AdapterRankTooLarge(InvalidAdapter):
+    """A module's rank exceeds ``max_lora_rank``."""
+
+
+class UnsupportedAdapter(InvalidAdapter):
+    """A PEFT feature loraplex does not serve (DoRA, bias, modules_to_save, pickles)."""
+
+
+class AdapterShapeMismatch(InvalidAdapter):
+    """A tensor's shape does not match the base model's layer."""
+
+
+class AdapterAlreadyLoaded(AdapterError):
+    """``load_adapter`` with a name that is already registered."""
+
+    http_status = 409
+    error_type = "conflict_error"
+
+
+class UnknownAdapter(AdapterError):
+    """A request or unload named an adapter that is not registered."""
+
+    http_status = 404
+    error_type = "not_found_error"
+
+
+class AdapterContentChanged(AdapterError):
+    """An adapter evicted from host memory was re-read and its content hash no longer matches."""
+
+    http_status = 409
+    error_type = "conflict_error"
+
+
+class ModelError(LoraplexError):
+    """The base model cannot be found, converted or built (e.g. an unsupported architecture)."""
+
+
+class RequestError(LoraplexError):
+    """A malformed generation request; ``param`` names the offending field."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

@@ -1,0 +1,1 @@
+"""LoRA-aware layers."""

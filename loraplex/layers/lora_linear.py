@@ -1,0 +1,82 @@
+"""Linear layers with preallocated, stacked LoRA slot buffers.
+
+One ``LoRALinear`` serves one or more projections that share an input (q/k/v, gate/up): the base
+weights are concatenated along the output dimension, and each slot packs its adapter's A halves
+row-wise and its B halves block-diagonally, at the adapter's real ranks:
+
+    lora_a[s] = [A_q; A_k; A_v; 0]                       # [R_max, in],  R_s = r_q + r_k + r_v
+    lora_b[s] = blockdiag(B_q, B_k, B_v) padded with 0   # [sum(out), R_max]
+
+so that ``x @ lora_a[s, :R_s]^T @ lora_b[s, :, :R_s]^T`` equals the concatenated per-projection
+deltas. A projection the adapter does not target contributes rank 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from loraplex.adapters.batch_indices import LoRABatch
+from loraplex.ops.lora import add_lora
+
+
+class LoRALinear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: tuple[int, ...],
+        names: tuple[str, ...],
+        max_loras: int,
+        max_lora_rank: int,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        if len(out_features) != len(names):
+            raise ValueError("one output size per projection name")
+        self.in_features = in_features
+        self.out_features = tuple(out_features)
+        self.names = tuple(names)
+        self.out_offsets = [sum(out_features[:i]) for i in range(len(out_features) + 1)]
+        total_out = self.out_offsets[-1]
+        rank_capacity = len(names) * max_lora_rank
+        self.max_lora_rank = max_lora_rank
+        self.weight = nn.Parameter(torch.empty(total_out, in_features, dtype=dtype, device=device),
+                                   requires_grad=False)  # [sum(out), in]
+        self.bias = (nn.Parameter(torch.zeros(total_out, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)  # [sum(out)]
+        self.register_buffer("lora_a", torch.zeros(max_loras, rank_capacity, in_features, dtype=dtype,
+                                                   device=device), persistent=False)  # [max_loras, R_max, in]
+        self.register_buffer("lora_b", torch.zeros(max_loras, total_out, rank_capacity, dtype=dtype,
+                                                   device=device), persistent=False)  # [max_loras, out, R_max]
+        self.slot_ranks = [0] * max_loras  # packed rank R_s per slot; 0 = slot empty for this layer
+
+    def set_slot(self, slot: int, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write one adapter into ``slot``. ``pairs[name] = (A [r, in], B [out, r])``, B scale-folded."""
+        self.clear_slot(slot)
+        rank_offset = 0
+        for i, name in enumerate(self.names):
+            if name not in pairs:
+                continue
+            a, b = pairs[name]
+            r = a.shape[0]
+            lo, hi = self.out_offsets[i], self.out_offsets[i + 1]
+            self.lora_a[slot, rank_offset : rank_offset + r].copy_(a)
+            self.lora_b[slot, lo:hi, rank_offset : rank_offset + r].copy_(b)
+            rank_offset += r
+        self.slot_ranks[slot] = rank_offset
+
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.slot_ranks[slot] = 0
+
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        # x: [T, in] -> [T, sum(out)]
+        y = nn.functional.linear(x, self.weight, self.bias)
+        if lora is not None and lora.has_lora:
+            add_lora(y, x, self.lora_a, self.lora_b, self.slot_ranks, lora)
+        return y

@@ -1,0 +1,1 @@
+"""Llama-family models and their loading."""

@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny random checkpoints and PEFT adapters, written once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.fixtures import ALL_PROJECTIONS, write_peft_adapter, write_tiny_model
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session", params=["llama", "llama3", "mistral", "qwen2"])
+def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Each supported architecture in turn (qwen2 has q/k/v bias; llama3 has rope scaling)."""
+    return write_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), request.param)
+
+
+# name -> (rank, target modules); several ranks and target sets, all with non-zero B.
+ADAPTER_SPECS: dict[str, tuple[int, tuple[str, ...]]] = {
+    "r8_all": (8, ALL_PROJECTIONS),
+    "r4_attn": (4, ("q_proj", "k_proj", "v_proj", "o_proj")),
+    "r16_mlp": (16, ("gate_proj", "up_proj", "down_proj")),
+    "r2_qv": (2, ("q_proj", "v_proj")),
+}
+
+
+def make_adapters(base: Path, root: Path) -> dict[str, Path]:
+    return {
+        name: write_peft_adapter(base, root / name, rank=rank, alpha=2 * rank, target_modules=targets,
+                                 seed=i + 1)
+        for i, (name, (rank, targets)) in enumerate(ADAPTER_SPECS.items())
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_adapters(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """PEFT adapters for ``tiny_llama``: ``ADAPTER_SPECS`` names -> folders."""
+    return make_adapters(tiny_llama, tmp_path_factory.mktemp("tiny-llama-adapters"))
