@@ -67,7 +67,8 @@ class ModelConfig:
         hidden = int(raw["hidden_size"])
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        scaling = raw.get("rope_scaling") or {}
+        # transformers >= 5 writes `rope_parameters` (theta included); older files `rope_scaling`.
+        scaling = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type not in ("default", "linear", "dynamic", "llama3"):
             raise ModelError(f"unsupported rope_scaling type {rope_type!r}")
@@ -81,7 +82,7 @@ class ModelConfig:
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(raw.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_theta=float(raw.get("rope_theta", scaling.get("rope_theta", 10000.0))),
             rope_scaling=RopeScaling(
                 rope_type=rope_type,
                 factor=float(scaling.get("factor", 1.0)),
