@@ -48,7 +48,7 @@ def tiny_config(arch: str = "llama", **overrides):
 def write_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Write a random checkpoint (config.json + model.safetensors) to ``folder`` and return it."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
@@ -71,7 +71,7 @@ def write_peft_adapter(
 ) -> Path:
     """Create a PEFT LoRA adapter with random non-zero B for the model in ``base_folder``."""
     torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(base_folder, torch_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha,
