@@ -132,6 +132,11 @@ class EngineConfig:
     kv_cache_bytes: int = 512 * 1024**2
     allow_pickle_adapters: bool = False
     seed: int = 0
+    # Waiting requests may skip ahead of one whose adapter cannot be placed, for at most this many
+    # steps; then admission turns strictly first-come-first-served until it is placed (no starvation).
+    max_skip_steps: int = 64
+    # Check invariant 1 (each token's slot holds the adapter its request asked for) every step.
+    debug_checks: bool = False
 
     def __post_init__(self) -> None:
         for field in ("max_loras", "max_cpu_loras", "max_lora_rank", "max_num_seqs", "block_size"):

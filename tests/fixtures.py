@@ -7,12 +7,16 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
+
+from loraplex.models.embedded import embedded_checkpoint
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+# The tiny models share SmolLM2's tokenizer (copied into each folder) so text prompts work;
+# hence its vocabulary size and special token ids.
 _COMMON = dict(
-    vocab_size=256,
+    vocab_size=49152,
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
@@ -46,7 +50,7 @@ def tiny_config(arch: str = "llama", **overrides):
 
 
 def write_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Write a random checkpoint (config.json + model.safetensors) to ``folder`` and return it."""
+    """Write a random checkpoint (config.json, model.safetensors, tokenizer) to ``folder``; return it."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
     with torch.no_grad():
@@ -54,6 +58,7 @@ def write_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
             if name.endswith("bias"):
                 p.normal_(0.0, 0.1)
     model.save_pretrained(folder, safe_serialization=True)
+    AutoTokenizer.from_pretrained(embedded_checkpoint()).save_pretrained(folder)
     return folder
 
 
