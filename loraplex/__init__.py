@@ -1,0 +1,33 @@
+"""loraplex: serve many LoRA adapters over one base LLM, mixed in one batch."""
+
+from loraplex.config import EngineConfig, ModelConfig
+from loraplex.engine.request import RequestOutput, SamplingParams
+from loraplex.errors import (
+    AdapterAlreadyLoaded,
+    AdapterContentChanged,
+    AdapterError,
+    AdapterNotFound,
+    AdapterRankTooLarge,
+    AdapterShapeMismatch,
+    InvalidAdapter,
+    LoraplexError,
+    ModelError,
+    RequestError,
+    UnknownAdapter,
+    UnsupportedAdapter,
+)
+
+
+def __getattr__(name: str):  # noqa: ANN202 - lazy: importing loraplex must not import the engine
+    if name == "LLM":
+        from loraplex.llm import LLM
+
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = [
+    "LLM", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutput", "LoraplexError", "AdapterError",
+    "AdapterNotFound", "InvalidAdapter", "AdapterRankTooLarge", "UnsupportedAdapter", "AdapterShapeMismatch",
+    "AdapterAlreadyLoaded", "UnknownAdapter", "AdapterContentChanged", "ModelError", "RequestError",
+]

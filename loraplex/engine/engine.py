@@ -1,0 +1,223 @@
+"""The engine: one ``step()`` = drain the inbox → schedule → run → sample → postprocess.
+
+Thread model: any thread may call ``add_request``, ``abort_request``, ``load_adapter`` and
+``unload_adapter``; they validate in the caller's thread and hand work to the step loop through a
+thread-safe inbox (adapter files are read and checked by the manager outside its lock). ``step()``
+is driven by one loop thread (the server's) or by ``LLM.generate``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from loraplex.adapters.batch_indices import BatchMapping, LoRABatch
+from loraplex.adapters.manager import AdapterInfo, AdapterManager
+from loraplex.config import EngineConfig, ModelConfig
+from loraplex.engine.detokenizer import IncrementalDetokenizer
+from loraplex.engine.kv_cache import BlockAllocator, KVCache
+from loraplex.engine.request import Request, RequestOutput, SamplingParams
+from loraplex.engine.runner import ModelRunner, StepEntry
+from loraplex.engine.sampling import sample
+from loraplex.engine.scheduler import Scheduler
+from loraplex.errors import LoraplexError, RequestError
+from loraplex.models.embedded import resolve_model
+from loraplex.models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    slots_in_use: int
+    max_loras: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    loads: int
+    device_evictions: int
+    host_evictions: int
+    device_hits: int
+    host_hits: int
+    num_preemptions: int
+
+
+def _pick_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto"
+                          else config.device)
+    if config.dtype == "auto":
+        return device, torch.float32 if device.type == "cpu" else torch.bfloat16
+    return device, getattr(torch, config.dtype)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        folder = resolve_model(config.model)
+        self.model_path = folder
+        self.model_name = config.model if not Path(config.model).is_dir() else Path(config.model).name
+        self.model_config = ModelConfig.from_hf(folder)
+        self.device, self.dtype = _pick_device(config)
+        self.model = load_model(folder, self.model_config, config.max_loras, config.max_lora_rank,
+                                self.dtype, self.device)
+        self.tokenizer: PreTrainedTokenizerBase | None = (
+            AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None)
+        block_bytes = KVCache.bytes_per_block(self.model_config, config.block_size, self.dtype)
+        num_blocks = config.kv_cache_blocks or max(1, config.kv_cache_bytes // block_bytes)
+        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
+        self.allocator = BlockAllocator(num_blocks)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
+        self.adapters = AdapterManager(self.model_config, config.max_loras, config.max_cpu_loras,
+                                       config.max_lora_rank, writer=self.model,
+                                       allow_pickle=config.allow_pickle_adapters)
+        self.scheduler = Scheduler(config, self.allocator, self.adapters)
+        self.max_model_len = min(self.model_config.max_position_embeddings, num_blocks * config.block_size)
+        self._inbox: queue.SimpleQueue[Request | str] = queue.SimpleQueue()
+        self._requests: dict[str, Request] = {}
+        self._detok: dict[Request, IncrementalDetokenizer] = {}
+        self._generator = torch.Generator().manual_seed(config.seed)
+        self._ids = itertools.count()
+        logger.info("model %s (%s, %s on %s): %d layers; %d LoRA slots, host tier %d, max rank %d; "
+                    "KV cache %d blocks x %d tokens (%.1f MiB)", self.model_name, self.model_config.architecture,
+                    self.dtype, self.device, self.model_config.num_layers, config.max_loras, config.max_cpu_loras,
+                    config.max_lora_rank, num_blocks, config.block_size, num_blocks * block_bytes / 2**20)
+
+    # ---- adapters (any thread) ----
+    def load_adapter(self, name: str, path: str | Path) -> AdapterInfo:
+        return self.adapters.load(name, str(path))
+
+    def unload_adapter(self, name: str) -> None:
+        self.adapters.unload(name)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self.adapters.list()
+
+    # ---- requests (any thread) ----
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"model {self.model_name} has no tokenizer: pass token ids", "prompt")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not prompt or any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in prompt):
+            raise RequestError(f"prompt token ids must be a non-empty list of ints in [0, "
+                               f"{self.model_config.vocab_size})", "prompt")
+        return list(prompt)
+
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
+                    adapter: str | None = None) -> str:
+        """Validate and queue a request; raises before anything is queued. Returns its id."""
+        params.validate()
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise RequestError("prompt is empty", "prompt")
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            param = "prompt" if len(token_ids) >= self.max_model_len else "max_tokens"
+            raise RequestError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                               f"maximum context length of {self.max_model_len} tokens", param)
+        adapter_id = self.adapters.resolve(adapter) if adapter is not None else None
+        generator = self._generator if params.seed is None else torch.Generator().manual_seed(params.seed)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        self._inbox.put(Request(request_id, token_ids, params, adapter, adapter_id, generator))
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self._inbox.put(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work() or not self._inbox.empty()
+
+    def stats(self) -> EngineStats:
+        c = self.adapters.counters()
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
+            slots_in_use=self.adapters.slots_in_use(), max_loras=self.config.max_loras,
+            kv_blocks_free=self.allocator.num_free, kv_blocks_total=self.allocator.num_total,
+            loads=c["loads"], device_evictions=c["device_evictions"], host_evictions=c["host_evictions"],
+            device_hits=c["device_hits"], host_hits=c["host_hits"], num_preemptions=self.scheduler.num_preemptions)
+
+    # ---- the step loop (one thread) ----
+    def step(self) -> list[RequestOutput]:
+        outputs = self._drain_inbox()
+        outputs += self._fail_broken_adapters()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        entries = [StepEntry(tuple(s.request.all_token_ids[s.start:s.start + s.num_tokens]), s.start,
+                             tuple(s.request.block_table)) for s in batch]
+        mapping = BatchMapping.from_sequences([(s.request.adapter_id, s.num_tokens) for s in batch])
+        lora = self.adapters.lora_batch(mapping)
+        if self.config.debug_checks:
+            self._check_right_weights(mapping, lora)
+        with torch.inference_mode():
+            logits = self.runner.execute(entries, lora)
+        for s in batch:
+            s.request.num_computed_tokens += s.num_tokens
+        rows = [i for i, s in enumerate(batch) if s.samples]
+        if rows:
+            sampled = [batch[i].request for i in rows]
+            tokens = sample(logits[rows], [r.params for r in sampled], [r.generator for r in sampled])
+            outputs += [self._append_token(r, t) for r, t in zip(sampled, tokens, strict=True)]
+        return outputs
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        outputs = []
+        while not self._inbox.empty():
+            item = self._inbox.get()
+            if isinstance(item, Request):
+                self._requests[item.request_id] = item
+                self._detok[item] = IncrementalDetokenizer(self.tokenizer, item.params.stop)
+                self.scheduler.add(item)
+            elif (request := self._requests.get(item)) is not None:
+                outputs.append(self._finish(request, "abort"))
+        return outputs
+
+    def _fail_broken_adapters(self) -> list[RequestOutput]:
+        """Requests whose adapter version can no longer be served (e.g. its files changed) fail alone."""
+        outputs = []
+        for request in list(self.scheduler.waiting):
+            error = self.adapters.failure(request.adapter_id) if request.adapter_id is not None else None
+            if error is not None:
+                outputs.append(self._finish(request, "error", error))
+        return outputs
+
+    def _check_right_weights(self, mapping: BatchMapping, lora: LoRABatch | None) -> None:
+        """Invariant 1: the slot each token reads holds the adapter version its request asked for."""
+        slots = lora.token_slots.tolist() if lora is not None else [-1] * len(mapping.token_adapter_ids)
+        for t, (wanted, slot) in enumerate(zip(mapping.token_adapter_ids, slots, strict=True)):
+            held = None if slot < 0 else self.adapters.slot_owner(slot)
+            if held != wanted:
+                raise AssertionError(f"token {t} asked for adapter {wanted} but reads slot {slot} holding {held}")
+
+    def _append_token(self, request: Request, token: int) -> RequestOutput:
+        request.output_token_ids.append(token)
+        params = request.params
+        hit_stop = self._detok[request].add(token)
+        if hit_stop or token in params.stop_token_ids or (
+                not params.ignore_eos and token in self.model_config.eos_token_ids):
+            return self._finish(request, "stop")
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return self._finish(request, "length")
+        return self._output(request)
+
+    def _finish(self, request: Request, reason: str, error: LoraplexError | None = None) -> RequestOutput:
+        self.scheduler.finish(request, reason)
+        request.error = error
+        self._requests.pop(request.request_id, None)
+        output = self._output(request)
+        del self._detok[request]
+        return output
+
+    def _output(self, request: Request) -> RequestOutput:
+        detok = self._detok[request]
+        return RequestOutput(
+            request_id=request.request_id, adapter=request.adapter,
+            prompt_token_ids=request.prompt_token_ids, token_ids=list(request.output_token_ids),
+            text=detok.text, delta_text=detok.pop_delta(request.finished), finished=request.finished,
+            finish_reason=request.finish_reason, error=request.error)

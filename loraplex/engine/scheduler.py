@@ -1,0 +1,143 @@
+"""Continuous batching with adapter-aware admission.
+
+Policy, once per step:
+1. Running requests go first, oldest first: a decode token each, or the next chunk of an unfinished
+   prefill. If the KV cache cannot grow, the newest running request is preempted (its blocks and
+   adapter pin are returned; it is recomputed later from its prompt and the tokens it already has).
+2. Waiting requests are admitted, oldest first, while ``max_num_seqs``, the step's token budget
+   (``max_num_batched_tokens``) and the KV cache allow, and only if their adapter can be pinned in a
+   device slot. One whose adapter cannot be placed yet stays queued while younger requests whose
+   adapters fit go ahead, so the batch stays full. No starvation: once the oldest waiting request
+   has waited ``max_skip_steps`` steps, admission becomes strictly first-come-first-served, so the
+   pins held by running requests drain and its adapter is placed next.
+Prefill and decode share a step; a prompt longer than the remaining budget is prefilled in chunks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from loraplex.adapters.manager import AdapterManager
+from loraplex.config import EngineConfig
+from loraplex.engine.kv_cache import BlockAllocator
+from loraplex.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    start: int  # first token position computed this step
+    num_tokens: int  # tokens computed this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step's last token yields the request's next token (prefill complete)."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator, adapters: AdapterManager) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.adapters = adapters
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.step_count = 0
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        request.arrival_step = self.step_count
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledRequest]:
+        self.step_count += 1
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preemptions_before = self.num_preemptions
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            if not self._grow(request, n, scheduled):
+                continue
+            scheduled.append(ScheduledRequest(request, request.num_computed_tokens, n))
+            budget -= n
+        if self.num_preemptions == preemptions_before:  # admitting now would only thrash the cache
+            scheduled += self._admit(budget)
+        return scheduled
+
+    def _admit(self, budget: int) -> list[ScheduledRequest]:
+        admitted: list[ScheduledRequest] = []
+        strict = bool(self.waiting) and self.step_count - self.waiting[0].arrival_step > self.config.max_skip_steps
+        for request in list(self.waiting):
+            if len(self.running) >= self.config.max_num_seqs or budget <= 0:
+                break
+            n = min(request.num_tokens, budget)
+            blocks = self._blocks_for(n)
+            if not self.allocator.can_allocate(blocks):
+                break  # the cache is full for everyone behind it too
+            if request.adapter_id is not None and not self.adapters.can_acquire(request.adapter_id):
+                if strict:
+                    break
+                continue
+            if request.adapter_id is not None:
+                self.adapters.acquire(request.adapter_id)
+                request.pinned = True
+            request.block_table = self.allocator.allocate(blocks)
+            request.status = RequestStatus.RUNNING
+            self.waiting.remove(request)
+            self.running.append(request)
+            admitted.append(ScheduledRequest(request, 0, n))
+            budget -= n
+        return admitted
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    def _grow(self, request: Request, n: int, scheduled: list[ScheduledRequest]) -> bool:
+        """Make room in the cache for ``n`` more tokens of ``request``, preempting the newest running
+        requests not yet scheduled this step; False if ``request`` itself had to be preempted."""
+        need = self._blocks_for(request.num_computed_tokens + n) - len(request.block_table)
+        taken = {s.request for s in scheduled}
+        while not self.allocator.can_allocate(need):
+            victims = [r for r in reversed(self.running) if r is not request and r not in taken]
+            if not victims:
+                self.preempt(request)
+                return False
+            self.preempt(victims[0])
+        if need > 0:
+            request.block_table += self.allocator.allocate(need)
+        return True
+
+    def preempt(self, request: Request) -> None:
+        """Return ``request``'s blocks and pin; it goes back to the front of the queue to be recomputed."""
+        self._release(request)
+        self.running.remove(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Remove ``request`` from whichever queue holds it and return its blocks and pin."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    def _release(self, request: Request) -> None:
+        if request.block_table:
+            self.allocator.free(request.block_table)
+            request.block_table = []
+        if request.pinned:
+            self.adapters.release(request.adapter_id)
+            request.pinned = False
