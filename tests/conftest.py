@@ -49,3 +49,15 @@ def make_adapters(base: Path, root: Path) -> dict[str, Path]:
 def tiny_llama_adapters(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """PEFT adapters for ``tiny_llama``: ``ADAPTER_SPECS`` names -> folders."""
     return make_adapters(tiny_llama, tmp_path_factory.mktemp("tiny-llama-adapters"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two random rank-16 PEFT adapters on all seven projections of the embedded SmolLM2 (B std 0.09:
+    clearly different from the base, still mostly coherent)."""
+    from loraplex.models.embedded import embedded_checkpoint
+
+    base = embedded_checkpoint()
+    root = tmp_path_factory.mktemp("smollm2-adapters")
+    return {name: write_peft_adapter(base, root / name, rank=16, alpha=16, seed=seed, b_std=0.09)
+            for name, seed in (("alpha", 1), ("beta", 2))}

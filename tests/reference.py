@@ -1,0 +1,44 @@
+"""Slow references: HF transformers (+ PEFT) greedy decoding with full recomputation, no KV cache."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+
+@lru_cache(maxsize=4)
+def _base(folder: str) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def hf_model(base_folder: Path, adapter_folder: Path | None) -> torch.nn.Module:
+    """The base model, or a fresh PEFT wrapper with exactly one adapter active."""
+    base = _base(str(base_folder))
+    if adapter_folder is None:
+        return base
+    return PeftModel.from_pretrained(base, str(adapter_folder)).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy continuation (EOS ignored) and the logits of each generated position: [n, vocab]."""
+    ids = list(prompt)
+    steps = []
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        steps.append(logits)
+        ids.append(int(torch.argmax(logits)))
+    return ids[len(prompt):], torch.stack(steps)
+
+
+def with_adapter(base_folder: Path, adapter_folder: Path | None, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy outputs of each prompt under one adapter (or none), unloading the PEFT wrapper after."""
+    model = hf_model(base_folder, adapter_folder)
+    outs = [hf_greedy(model, p, n)[0] for p in prompts]
+    if adapter_folder is not None:
+        model.unload()  # restore the cached base model's modules
+    return outs
