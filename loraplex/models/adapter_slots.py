@@ -1,0 +1,60 @@
+"""Writing one adapter into a device slot of a Llama-family model.
+
+The adapter arrives per projection (``modules[(layer_idx, proj_name)] = (A [r, in], B [out, r])``,
+scale already folded into B) and is regrouped per packed layer (q/k/v -> ``qkv_proj``, gate/up ->
+``gate_up_proj``). Everything is validated before the first write, so a bad adapter leaves the
+slot (and every other slot) exactly as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from loraplex.config import PROJECTIONS
+from loraplex.errors import AdapterRankTooLarge, AdapterShapeMismatch, UnsupportedAdapter
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+class _HasModules(Protocol):
+    modules: dict[tuple[int, str], Pair]
+
+
+def group_by_layer(model, weights: _HasModules) -> list[list[dict[str, Pair]]]:
+    """Validate ``weights`` against ``model`` and return ``[layer][packed_index] -> {proj: (A, B)}``
+    in the order of ``LlamaDecoderLayer.adapted()``."""
+    cfg = model.config
+    shapes = cfg.projection_shapes()
+    source = getattr(weights, "path", "adapter")
+    packed_index = {name: i for i, linear in enumerate(model.layers[0].adapted()) for name in linear.names}
+    grouped: list[list[dict[str, Pair]]] = [[{} for _ in packed_index.values()] for _ in model.layers]
+    for (layer_idx, proj), (a, b) in weights.modules.items():
+        if proj not in PROJECTIONS:
+            raise UnsupportedAdapter(f"{source}: module {proj!r} is not an adapted projection {PROJECTIONS}")
+        if not 0 <= layer_idx < cfg.num_layers:
+            raise AdapterShapeMismatch(f"{source}: layer {layer_idx} of {proj} is outside the model's "
+                                       f"{cfg.num_layers} layers")
+        in_f, out_f = shapes[proj]
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape[0] != out_f or b.shape[1] != r:
+            raise AdapterShapeMismatch(
+                f"{source}: layer {layer_idx} {proj}: A {tuple(a.shape)}, B {tuple(b.shape)}; expected "
+                f"A [r, {in_f}] and B [{out_f}, r]"
+            )
+        if r > model.max_lora_rank:
+            raise AdapterRankTooLarge(f"{source}: layer {layer_idx} {proj} has rank {r} > max_lora_rank "
+                                      f"{model.max_lora_rank}")
+        grouped[layer_idx][packed_index[proj]][proj] = (a, b)
+    return grouped
+
+
+def write_adapter_slot(model, slot: int, weights: _HasModules) -> None:
+    """Validate, then write ``weights`` into ``slot`` of every adapted layer (untargeted ones zeroed)."""
+    if not 0 <= slot < model.max_loras:
+        raise IndexError(f"slot {slot} out of range [0, {model.max_loras})")
+    grouped = group_by_layer(model, weights)
+    for layer, per_linear in zip(model.layers, grouped, strict=True):
+        for linear, pairs in zip(layer.adapted(), per_linear, strict=True):
+            linear.set_slot(slot, pairs)

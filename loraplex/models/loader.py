@@ -1,0 +1,98 @@
+"""Build a model from an HF safetensors checkpoint folder.
+
+Reads every ``*.safetensors`` file in the folder (one file or shards; tensor names with or without
+the ``model.`` prefix), copies each tensor straight into the model's preallocated parameters
+(q/k/v and gate/up land in row ranges of the packed ``qkv_proj`` / ``gate_up_proj`` weights, with
+no intermediate concatenation), and fails with a ``ModelError`` naming any missing or mis-shaped
+tensor. Tied embeddings: the model has no ``lm_head`` of its own, so a checkpoint's copy is ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from loraplex.config import ModelConfig
+from loraplex.errors import ModelError
+from loraplex.layers.lora_linear import LoRALinear
+from loraplex.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+
+def _destinations(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Checkpoint tensor name (without ``model.``) -> the parameter (or row slice) it fills."""
+    out: dict[str, torch.Tensor] = {}
+    for mod_name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            parent = mod_name.rsplit(".", 1)[0]
+            for kind in ("weight", "bias"):
+                param = getattr(module, kind)
+                if param is None:
+                    continue
+                for i, proj in enumerate(module.names):
+                    lo, hi = module.out_offsets[i], module.out_offsets[i + 1]
+                    out[f"{parent}.{proj}.{kind}"] = param[lo:hi]
+        else:
+            for p_name, param in module.named_parameters(recurse=False):
+                out[f"{mod_name}.{p_name}" if mod_name else p_name] = param
+    return out
+
+
+def _checkpoint_index(folder: Path) -> dict[str, tuple[Path, str]]:
+    """Normalised tensor name -> (file, name in file) over all shards."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{folder}: no *.safetensors files (only safetensors checkpoints are read)")
+    index: dict[str, tuple[Path, str]] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                name = key.removeprefix("model.")
+                if name in index:
+                    raise ModelError(f"{folder}: tensor {name!r} appears in both {index[name][0].name} and "
+                                     f"{file.name}")
+                index[name] = (file, key)
+    return index
+
+
+def load_model(
+    folder: str | Path,
+    model_config: ModelConfig | None,
+    max_loras: int,
+    max_lora_rank: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> nn.Module:
+    """Build the model for ``model_config`` (read from ``folder`` when None) and fill its weights."""
+    folder = Path(folder)
+    cfg = model_config if model_config is not None else ModelConfig.from_hf(folder)
+    model = model_class(cfg.architecture)(cfg, max_loras, max_lora_rank, dtype, device)
+    destinations = _destinations(model)
+    index = _checkpoint_index(folder)
+    missing = sorted(set(destinations) - set(index))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelError(f"{folder}: checkpoint lacks {len(missing)} tensors the model needs: {shown}")
+    by_file: dict[Path, list[str]] = {}
+    for name in destinations:
+        by_file.setdefault(index[name][0], []).append(name)
+    with torch.no_grad():
+        for file, names in by_file.items():
+            with safe_open(file, framework="pt") as f:
+                for name in names:
+                    src = f.get_slice(index[name][1])
+                    dst = destinations[name]
+                    if tuple(src.get_shape()) != tuple(dst.shape):
+                        raise ModelError(f"{folder}: tensor {index[name][1]!r} in {file.name} has shape "
+                                         f"{tuple(src.get_shape())}, the model expects {tuple(dst.shape)}")
+                    dst.copy_(src[:])
+    unused = sorted(set(index) - set(destinations))
+    if unused:
+        logger.debug("%s: ignored %d checkpoint tensors (e.g. %s)", folder, len(unused), unused[0])
+    logger.info("loaded %s (%s, %d layers) from %s", cfg.architecture, dtype, cfg.num_layers, folder)
+    return model.eval()
