@@ -1,0 +1,129 @@
+"""``loraplex serve`` (the OpenAI-compatible server) and ``loraplex generate`` (offline completions)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from loraplex.config import EngineConfig
+from loraplex.errors import LoraplexError
+
+logger = logging.getLogger("loraplex.cli")
+
+
+def adapter_spec(value: str) -> tuple[str, str]:
+    """``NAME=PATH`` -> (name, path); anything else is an argparse error."""
+    name, sep, path = value.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name.strip(), path.strip()
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    p.add_argument("--model", default=d.model, help="local HF folder or the embedded default (%(default)s)")
+    p.add_argument("--adapter", action="append", type=adapter_spec, default=[], metavar="NAME=PATH",
+                   help="load a PEFT adapter folder at start (repeatable)")
+    p.add_argument("--max-loras", type=int, default=d.max_loras, help="device adapter slots")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help=f"adapters kept in host memory (default: max({d.max_cpu_loras}, --max-loras))")
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests decoding at once")
+    p.add_argument("--dtype", default=d.dtype, help="auto (float32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the base model's name in the API")
+    serve.add_argument("--allow-runtime-adapters", action="store_true",
+                       help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    serve.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
+                       help="runtime loads must resolve inside one of these folders (repeatable)")
+    serve.add_argument("--api-key", default=os.environ.get("LORAPLEX_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $LORAPLEX_API_KEY)")
+    gen = sub.add_parser("generate", help="print completions of PROMPT(s)")
+    _engine_args(gen)
+    gen.add_argument("--use", default=None, metavar="NAME", help="the adapter to generate with (default: base)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    return parser
+
+
+def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> EngineConfig:
+    cpu_loras = args.max_cpu_loras if args.max_cpu_loras is not None else max(16, args.max_loras)
+    try:
+        return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_loras=args.max_loras,
+                            max_cpu_loras=cpu_loras, max_lora_rank=args.max_lora_rank,
+                            max_num_seqs=args.max_num_seqs)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    import uvicorn
+
+    from loraplex.engine.engine import Engine
+    from loraplex.server.app import create_app
+
+    engine = Engine(engine_config(args, parser))
+    for name, path in args.adapter:
+        engine.load_adapter(name, path)
+    app = create_app(engine, served_model_name=args.served_model_name,
+                     allow_runtime_adapters=args.allow_runtime_adapters, adapter_roots=args.adapter_root,
+                     api_key=args.api_key)
+    stats = engine.stats()
+    cfg = engine.config
+    logger.info("model %s (%s) dtype %s on %s", engine.model_name, engine.model_path, engine.dtype, engine.device)
+    logger.info("%d adapter slots, %d in host memory, max rank %d; KV cache %d blocks x %d tokens",
+                cfg.max_loras, cfg.max_cpu_loras, cfg.max_lora_rank, stats.kv_blocks_total, cfg.block_size)
+    logger.info("adapters: %s", ", ".join(f"{i.name}={i.path}" for i in engine.list_adapters()) or "none")
+    logger.info("runtime adapter loading %s%s; auth %s", "on" if args.allow_runtime_adapters else "off",
+                f" (roots: {', '.join(args.adapter_root)})" if args.adapter_root else "",
+                "on" if args.api_key else "off")
+    logger.info("serving on http://%s:%d/v1", args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+
+
+def generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from loraplex.engine.request import SamplingParams
+    from loraplex.llm import LLM
+
+    llm = LLM(**vars(engine_config(args, parser)))
+    for name, path in args.adapter:
+        llm.load_adapter(name, path)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    outputs = llm.generate(args.prompts, params, adapters=args.use, use_tqdm=False)
+    for prompt, out in zip(args.prompts, outputs, strict=True):
+        if len(args.prompts) > 1:
+            print(f"### {prompt}")
+        print(out.text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        (serve if args.command == "serve" else generate)(args, parser)
+    except LoraplexError as exc:
+        print(f"loraplex: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

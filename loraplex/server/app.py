@@ -1,0 +1,162 @@
+"""The OpenAI-compatible FastAPI app: ``create_app(engine, ...)``.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamable),
+``GET /v1/models``, ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``,
+``GET /health``, ``GET /metrics``. The ``model`` field names the base model or an adapter.
+The engine's step loop runs in one background thread (see ``loraplex.engine.async_engine``),
+started with the app and stopped with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.server.adapter_policy import AdapterPathPolicy
+from loraplex.server.auth import BearerAuthMiddleware
+from loraplex.server.chat import chat_prompt_ids
+from loraplex.server.errors import ServerError, install_error_handlers
+from loraplex.server.generation import Generation, run_generation
+from loraplex.server.metrics import CONTENT_TYPE, ServerMetrics
+from loraplex.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadAdapterRequest,
+    ResponseBuilder,
+    UnloadAdapterRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "LORAPLEX_API_KEY"
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def create_app(
+    engine: Any,
+    *,
+    served_model_name: str | None = None,
+    allow_runtime_adapters: bool = False,
+    adapter_roots: Iterable[str | Path] = (),
+    api_key: str | None = None,
+) -> FastAPI:
+    """An app serving ``engine`` (an ``Engine`` or an ``AsyncEngine``).
+
+    ``served_model_name`` defaults to ``engine.model_name``; ``api_key`` defaults to
+    ``$LORAPLEX_API_KEY`` (no auth when neither is set).
+    """
+    async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
+    core = async_engine.engine
+    base_name = served_model_name or core.model_name
+    base_aliases = {base_name, core.model_name, str(core.config.model)}
+    policy = AdapterPathPolicy(allow_runtime_adapters, adapter_roots)
+    metrics = ServerMetrics(core)
+    async_engine.step_observers.append(metrics.observe_step)
+    started = int(time.time())
+    api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        owns = not async_engine.running
+        async_engine.start()
+        yield
+        if owns:
+            await asyncio.to_thread(async_engine.shutdown)
+
+    app = FastAPI(title="loraplex", lifespan=lifespan)
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(BearerAuthMiddleware, api_key=api_key)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+
+    def adapter_for(model: str) -> str | None:
+        return None if model in base_aliases else model
+
+    def model_card(model_id: str, root: str, parent: str | None, created: int) -> dict:
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "loraplex",
+                "root": root, "parent": parent}
+
+    loaded_at: dict[str, int] = {}  # adapter name -> when the API loaded it (else: server start)
+
+    def adapter_card(info: Any) -> dict:
+        return model_card(info.name, str(info.path), base_name, loaded_at.get(info.name, started))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.running:
+            return JSONResponse({"status": "error", "detail": "step loop not running"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        infos = await asyncio.to_thread(core.list_adapters)
+        cards = [model_card(base_name, str(core.config.model), None, started)]
+        cards += [adapter_card(info) for info in infos]
+        return {"object": "list", "data": cards}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        gen = Generation(
+            builder=ResponseBuilder(chat=False, model=body.model),
+            prompt=body.single_prompt(),
+            params=body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS),
+            adapter=adapter_for(body.model),
+            stream=bool(body.stream),
+            include_usage=body.include_usage,
+            prompt_param="prompt",
+        )
+        return await run_generation(async_engine, metrics, gen, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        prompt_ids = chat_prompt_ids(core.tokenizer, body.messages)
+        room = max(core.max_model_len - len(prompt_ids), 1)  # default max_tokens: the rest of the context
+        gen = Generation(
+            builder=ResponseBuilder(chat=True, model=body.model),
+            prompt=prompt_ids,
+            params=body.sampling_params(room),
+            adapter=adapter_for(body.model),
+            stream=bool(body.stream),
+            include_usage=body.include_usage,
+            prompt_param="messages",
+        )
+        return await run_generation(async_engine, metrics, gen, request)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadAdapterRequest) -> dict:
+        path = policy.check(body.lora_path)
+        if body.lora_name in base_aliases:
+            raise ServerError(400, f"lora_name {body.lora_name!r} is the base model's name", "lora_name")
+        try:
+            info = await async_engine.load_adapter(body.lora_name, str(path))
+        except Exception:
+            metrics.runtime_loads.labels("error").inc()
+            raise
+        metrics.runtime_loads.labels("ok").inc()
+        loaded_at[body.lora_name] = int(time.time())
+        logger.info("loaded adapter %r from %s", body.lora_name, path)
+        return {"status": "ok", "message": f"adapter {body.lora_name!r} loaded", **adapter_card(info)}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadAdapterRequest) -> dict:
+        policy.check_enabled()
+        await async_engine.unload_adapter(body.lora_name)
+        logger.info("unloaded adapter %r", body.lora_name)
+        return {"status": "ok", "message": f"adapter {body.lora_name!r} unloaded", "id": body.lora_name}
+
+    return app

@@ -1,0 +1,98 @@
+"""Every error the server sends uses OpenAI's body: ``{"error": {message, type, param, code}}``.
+
+loraplex errors carry their own ``http_status`` and ``error_type``; FastAPI's validation errors
+(wrong types, missing fields, malformed JSON) become 400 with the offending field in ``param``;
+an unexpected exception is logged and becomes a 500 that reveals nothing but its class name.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loraplex.errors import LoraplexError
+from loraplex.server.protocol import error_body
+
+logger = logging.getLogger(__name__)
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+}
+
+
+class ServerError(Exception):
+    """An error raised by the HTTP layer itself (auth, path policy), with its status and param."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   error_type: str | None = None) -> JSONResponse:
+    error_type = error_type or _TYPE_BY_STATUS.get(status, "internal_error" if status >= 500 else "error")
+    return JSONResponse(error_body(message, error_type, param, status), status_code=status)
+
+
+def loraplex_error_response(exc: LoraplexError) -> JSONResponse:
+    return error_response(exc.http_status, str(exc), getattr(exc, "param", None), exc.error_type)
+
+
+def loraplex_error_event(exc: LoraplexError) -> dict:
+    """The body sent as a server-sent event when a streamed request fails after its headers."""
+    return error_body(str(exc), exc.error_type, getattr(exc, "param", None), exc.http_status)
+
+
+def _validation_param(exc: RequestValidationError) -> tuple[str | None, str]:
+    """(field, message) of the first validation error; malformed JSON has no field."""
+    errors = exc.errors()
+    if not errors:
+        return None, "invalid request body"
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return None, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
+    # loc = ("body", field, ...); union members add their type names to the path.
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    field = loc[0] if loc else None
+    if field is None and first.get("type") in ("model_attributes_type", "dict_type"):
+        return None, "the request body must be a JSON object"
+    where = ".".join(loc) or "body"
+    return field, f"{where}: {first['msg']}"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(LoraplexError)
+    async def _loraplex(_: Request, exc: LoraplexError) -> JSONResponse:
+        return loraplex_error_response(exc)
+
+    @app.exception_handler(ServerError)
+    async def _server(_: Request, exc: ServerError) -> JSONResponse:
+        return error_response(exc.status, str(exc), exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        param, message = _validation_param(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+        return error_response(exc.status_code, message)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error serving %s %s", request.method, request.url.path)
+        return error_response(500, f"internal server error ({type(exc).__name__})")

@@ -1,0 +1,99 @@
+"""Prometheus metrics, one ``CollectorRegistry`` per app (several apps can live in one process).
+
+Request-level series are recorded by the HTTP layer as requests finish; step latency by the step
+thread; engine state (queue length, running requests, slots, KV blocks, adapter counters) is read
+from ``engine.stats()`` at scrape time, so it is never stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from loraplex.engine.request import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BASE_LABEL = "base"  # the ``adapter`` label value of requests to the base model
+
+# engine.stats() field -> (metric name, help); gauges then monotonically growing counters.
+_STAT_GAUGES = {
+    "num_waiting": ("loraplex_requests_waiting", "Requests queued, not yet scheduled."),
+    "num_running": ("loraplex_requests_running", "Requests scheduled and decoding."),
+    "slots_in_use": ("loraplex_adapter_slots_in_use", "Device adapter slots holding an adapter."),
+    "max_loras": ("loraplex_adapter_slots_total", "Device adapter slots (max_loras)."),
+    "kv_blocks_free": ("loraplex_kv_blocks_free", "Free KV-cache blocks."),
+    "kv_blocks_total": ("loraplex_kv_blocks_total", "KV-cache blocks."),
+}
+_STAT_COUNTERS = {
+    "loads": ("loraplex_adapter_loads", "Adapter loads from disk into host memory."),
+    "device_evictions": ("loraplex_adapter_device_evictions", "Adapters evicted from device slots."),
+    "host_evictions": ("loraplex_adapter_host_evictions", "Adapters evicted from host memory."),
+    "device_hits": ("loraplex_adapter_device_hits", "Acquisitions served by an adapter already in a slot."),
+    "host_hits": ("loraplex_adapter_host_hits", "Acquisitions served from host memory."),
+}
+
+
+class EngineStatsCollector(Collector):
+    """Reads ``engine.stats()`` on every scrape."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def describe(self) -> list[Metric]:
+        return []  # no stats() call at registration time
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats()
+        for field, (name, doc) in _STAT_GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=getattr(stats, field))
+        occupancy = stats.slots_in_use / stats.max_loras if stats.max_loras else 0.0
+        yield GaugeMetricFamily("loraplex_adapter_slot_occupancy", "slots_in_use / max_loras.", value=occupancy)
+        for field, (name, doc) in _STAT_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=getattr(stats, field))
+
+
+class ServerMetrics:
+    def __init__(self, engine: Any) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("loraplex_requests", "Finished requests by adapter and status.",
+                                ["adapter", "status"], registry=r)
+        self.prompt_tokens = Counter("loraplex_prompt_tokens", "Prompt tokens processed.", ["adapter"],
+                                     registry=r)
+        self.generation_tokens = Counter("loraplex_generation_tokens", "Tokens generated.", ["adapter"],
+                                         registry=r)
+        self.ttft = Histogram("loraplex_time_to_first_token_seconds", "Submission to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("loraplex_time_per_output_token_seconds",
+                              "Mean time between output tokens after the first, per request.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_latency = Histogram("loraplex_step_latency_seconds", "Duration of one engine step.",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.runtime_loads = Counter("loraplex_runtime_adapter_loads", "Adapter loads through the API by result.",
+                                     ["result"], registry=r)
+        r.register(EngineStatsCollector(engine))
+
+    def observe_step(self, seconds: float, outputs: list[RequestOutput]) -> None:
+        self.step_latency.observe(seconds)
+
+    def observe_request(self, adapter: str | None, status: str, out: RequestOutput | None,
+                        ttft: float | None, decode_seconds: float | None) -> None:
+        """Record one request that ended (``out`` is None when it was rejected before running)."""
+        label = adapter or BASE_LABEL
+        self.requests.labels(label, status).inc()
+        if out is None:
+            return
+        self.prompt_tokens.labels(label).inc(len(out.prompt_token_ids))
+        self.generation_tokens.labels(label).inc(len(out.token_ids))
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if decode_seconds is not None and len(out.token_ids) > 1:
+            self.tpot.observe(decode_seconds / (len(out.token_ids) - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
