@@ -1,0 +1,291 @@
+"""Read and fully validate a PEFT LoRA adapter folder into CPU float32 tensors, scale folded into B.
+
+A folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` (or, only when explicitly
+allowed, the pickled ``adapter_model.bin``). Keys look like
+``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`` (``.lora_A.default.weight`` too).
+For a module with PEFT rank r and alpha a the served delta is ``x @ A^T @ (s * B)^T`` where
+``s = a / r`` (``a / sqrt(r)`` with rsLoRA); ``rank_pattern`` / ``alpha_pattern`` override r and a
+per module with PEFT's matching rule (the key matches the module name or a dotted suffix of it).
+Every error message starts with the folder and names the exact problem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from loraplex.config import ModelConfig
+from loraplex.errors import (
+    AdapterNotFound,
+    AdapterRankTooLarge,
+    AdapterShapeMismatch,
+    InvalidAdapter,
+    UnsupportedAdapter,
+)
+
+CONFIG_FILE = "adapter_config.json"
+SAFETENSORS_FILE = "adapter_model.safetensors"
+PICKLE_FILE = "adapter_model.bin"
+
+# Which block sub-module each adaptable projection lives in.
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<half>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
+_MODULE = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<proj>\w+)$")
+
+# PEFT options that change the forward pass beyond x @ A^T @ B^T * scale: refused when set.
+_UNSUPPORTED_FEATURES = ("target_parameters", "layer_replication", "trainable_token_indices",
+                         "alora_invocation_tokens", "use_qalora", "use_bdlora", "arrow_config",
+                         "velora_config", "kasa_config", "monteclora_config")
+
+ModuleKey = tuple[int, str]  # (layer_idx, projection name)
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """``adapter_config.json`` normalised once; patterns keep PEFT's order (first match wins)."""
+
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...] | str | None  # list of names, or one regex matched in full
+    rank_pattern: tuple[tuple[str, int], ...]
+    alpha_pattern: tuple[tuple[str, float], ...]
+    layers_to_transform: tuple[int, ...] | None
+    exclude_modules: tuple[str, ...] | str | None
+    base_model_name_or_path: str | None
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], folder: str) -> AdapterConfig:
+        """Validate a parsed config; unsupported PEFT features raise ``UnsupportedAdapter``."""
+        peft_type = raw.get("peft_type", "LORA")
+        if str(peft_type).upper() != "LORA":
+            raise UnsupportedAdapter(f"{folder}: peft_type {peft_type!r} is not supported (only LORA)")
+        if raw.get("use_dora"):
+            raise UnsupportedAdapter(f"{folder}: use_dora=true (DoRA adapters are not supported)")
+        if raw.get("bias", "none") != "none":
+            raise UnsupportedAdapter(f"{folder}: bias={raw['bias']!r} is not supported (only \"none\")")
+        if raw.get("lora_bias"):
+            raise UnsupportedAdapter(f"{folder}: lora_bias=true is not supported")
+        if raw.get("modules_to_save"):
+            raise UnsupportedAdapter(
+                f"{folder}: modules_to_save={raw['modules_to_save']!r} is not supported "
+                "(the adapter replaces whole base modules)")
+        for feature in _UNSUPPORTED_FEATURES:
+            if raw.get(feature):
+                raise UnsupportedAdapter(f"{folder}: {feature}={raw[feature]!r} is not supported")
+        r = _positive_int(raw.get("r", 8), "r", folder)
+        alpha = raw.get("lora_alpha", 8)
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+            raise InvalidAdapter(f"{folder}: lora_alpha must be a finite number, got {alpha!r}")
+        layers = raw.get("layers_to_transform")
+        if isinstance(layers, int):
+            layers = [layers]
+        return cls(
+            r=r,
+            lora_alpha=float(alpha),
+            use_rslora=bool(raw.get("use_rslora", False)),
+            target_modules=_names_or_regex(raw.get("target_modules"), "target_modules", folder),
+            rank_pattern=tuple((k, _positive_int(v, f"rank_pattern[{k!r}]", folder))
+                               for k, v in (raw.get("rank_pattern") or {}).items()),
+            alpha_pattern=tuple((k, float(v)) for k, v in (raw.get("alpha_pattern") or {}).items()),
+            layers_to_transform=tuple(int(i) for i in layers) if layers else None,
+            exclude_modules=_names_or_regex(raw.get("exclude_modules"), "exclude_modules", folder),
+            base_model_name_or_path=raw.get("base_model_name_or_path"),
+        )
+
+    def rank_for(self, module: str) -> int:
+        return _pattern_value(self.rank_pattern, module, self.r)
+
+    def scale_for(self, module: str) -> float:
+        """PEFT's ``scaling``: alpha / r, or alpha / sqrt(r) with rsLoRA (per-module r and alpha)."""
+        r = self.rank_for(module)
+        alpha = _pattern_value(self.alpha_pattern, module, self.lora_alpha)
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+    def targets(self, module: str, layer_idx: int) -> bool:
+        """Whether PEFT would have put a LoRA layer on ``module`` (full name inside the base model)."""
+        if self.exclude_modules is not None and _matches(self.exclude_modules, module):
+            return False
+        if self.target_modules is None or self.target_modules == "all-linear":
+            selected = True
+        else:
+            selected = _matches(self.target_modules, module)
+        return selected and (self.layers_to_transform is None or layer_idx in self.layers_to_transform)
+
+
+@dataclass(frozen=True, eq=False)
+class AdapterWeights:
+    """One adapter version, validated, on CPU: ``modules[(layer, proj)] = (A [r, in], B [out, r])``."""
+
+    path: str
+    config: AdapterConfig
+    modules: Mapping[ModuleKey, tuple[torch.Tensor, torch.Tensor]]  # float32, B scale-folded
+    content_hash: str  # sha256 of the normalised config and the served tensors
+    max_rank: int
+    nbytes: int
+
+
+def read_peft_adapter(
+    path: str | Path, model_config: ModelConfig, max_lora_rank: int, allow_pickle: bool = False
+) -> AdapterWeights:
+    """Read ``path`` and validate it against the base model; raise a typed ``AdapterError`` if bad."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise AdapterNotFound(f"{folder}: no adapter folder at this path")
+    config_path = folder / CONFIG_FILE
+    if not config_path.is_file():
+        raise AdapterNotFound(f"{folder}: no {CONFIG_FILE} in the adapter folder")
+    try:
+        raw = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidAdapter(f"{folder}: {CONFIG_FILE} is not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise InvalidAdapter(f"{folder}: {CONFIG_FILE} must hold a JSON object")
+    config = AdapterConfig.from_dict(raw, str(folder))
+    tensors = _load_tensors(folder, allow_pickle)
+    modules = _build_modules(folder, config, tensors, model_config, max_lora_rank)
+    digest = hashlib.sha256(json.dumps(raw, sort_keys=True).encode())
+    for key in sorted(modules):
+        a, b = modules[key]
+        digest.update(repr(key).encode())
+        digest.update(a.numpy().tobytes())
+        digest.update(b.numpy().tobytes())
+    return AdapterWeights(
+        path=str(folder),
+        config=config,
+        modules=MappingProxyType(modules),
+        content_hash=digest.hexdigest(),
+        max_rank=max(a.shape[0] for a, _ in modules.values()),
+        nbytes=sum(a.nbytes + b.nbytes for a, b in modules.values()),
+    )
+
+
+def _load_tensors(folder: Path, allow_pickle: bool) -> dict[str, torch.Tensor]:
+    safetensors_path, pickle_path = folder / SAFETENSORS_FILE, folder / PICKLE_FILE
+    if safetensors_path.is_file():
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(safetensors_path, device="cpu")
+        except (SafetensorError, OSError, ValueError) as e:
+            raise InvalidAdapter(f"{folder}: cannot read {SAFETENSORS_FILE} ({e})") from e
+    if pickle_path.is_file():
+        if not allow_pickle:
+            raise UnsupportedAdapter(
+                f"{folder}: only {PICKLE_FILE} (a pickle) is present; pickles are refused unless "
+                "explicitly allowed (allow_pickle_adapters); convert it to safetensors")
+        try:
+            state = torch.load(pickle_path, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises many unrelated types for a bad pickle
+            raise InvalidAdapter(f"{folder}: cannot read {PICKLE_FILE} ({e})") from e
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise InvalidAdapter(f"{folder}: {PICKLE_FILE} does not hold a name -> tensor dict")
+        return state
+    raise InvalidAdapter(f"{folder}: no {SAFETENSORS_FILE} in the adapter folder")
+
+
+def _build_modules(
+    folder: Path,
+    config: AdapterConfig,
+    tensors: Mapping[str, torch.Tensor],
+    model_config: ModelConfig,
+    max_lora_rank: int,
+) -> dict[ModuleKey, tuple[torch.Tensor, torch.Tensor]]:
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.match(key)
+        if match is None:
+            if "lora_magnitude_vector" in key:
+                raise UnsupportedAdapter(f"{folder}: tensor {key!r} is a DoRA magnitude (not supported)")
+            if "lora_embedding" in key:
+                raise InvalidAdapter(f"{folder}: tensor {key!r} adapts an embedding, which loraplex "
+                                     "does not adapt")
+            raise InvalidAdapter(f"{folder}: unexpected tensor {key!r} (not a LoRA A or B weight)")
+        halves.setdefault(match["module"], {})[match["half"]] = tensor
+    shapes = model_config.projection_shapes()
+    modules: dict[ModuleKey, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module, pair in sorted(halves.items()):
+        layer_idx, proj = _locate(folder, module, model_config)
+        for half, other in (("lora_A", "lora_B"), ("lora_B", "lora_A")):
+            if half not in pair:
+                raise InvalidAdapter(f"{folder}: module {module!r} has {other} but no {half} tensor")
+        if not config.targets(module, layer_idx):
+            raise InvalidAdapter(f"{folder}: tensors for module {module!r}, which target_modules="
+                                 f"{config.target_modules!r} / layers_to_transform do not select")
+        r = config.rank_for(module)
+        if r > max_lora_rank:
+            raise AdapterRankTooLarge(
+                f"{folder}: module {module!r} has rank {r}, over max_lora_rank={max_lora_rank}")
+        in_features, out_features = shapes[proj]
+        a, b = pair["lora_A"], pair["lora_B"]
+        for half, tensor, want in (("lora_A", a, (r, in_features)), ("lora_B", b, (out_features, r))):
+            if tuple(tensor.shape) != want:
+                raise AdapterShapeMismatch(
+                    f"{folder}: {module}.{half} has shape {list(tensor.shape)}, expected {list(want)} "
+                    f"(rank {r}; base {proj} is {in_features} -> {out_features})")
+            if not tensor.is_floating_point():
+                raise InvalidAdapter(f"{folder}: {module}.{half} has non-float dtype {tensor.dtype}")
+            if not bool(torch.isfinite(tensor).all()):
+                raise InvalidAdapter(f"{folder}: {module}.{half} contains NaN or inf values")
+        a32 = a.to(torch.float32).contiguous()  # [r, in]
+        b32 = (b.to(torch.float32) * config.scale_for(module)).contiguous()  # [out, r]
+        modules[(layer_idx, proj)] = (a32, b32)
+    if not modules:
+        raise InvalidAdapter(f"{folder}: the adapter applies to zero modules (no LoRA tensors); "
+                             "refusing to serve it as the base model")
+    return modules
+
+
+def _locate(folder: Path, module: str, model_config: ModelConfig) -> ModuleKey:
+    """``...layers.N.self_attn.q_proj`` -> (N, "q_proj"); anything else is not adaptable."""
+    match = _MODULE.search(module)
+    if match is None or _PARENT.get(match["proj"]) != match["parent"]:
+        raise InvalidAdapter(
+            f"{folder}: tensors for module {module!r}, which the base model "
+            f"({model_config.architecture}) does not have or loraplex does not adapt "
+            f"(adaptable: layers.N.self_attn.{{q,k,v,o}}_proj, layers.N.mlp.{{gate,up,down}}_proj)")
+    layer_idx = int(match["layer"])
+    if layer_idx >= model_config.num_layers:
+        raise InvalidAdapter(f"{folder}: tensors for module {module!r}: layer {layer_idx} is out of "
+                             f"range (the base model has {model_config.num_layers} layers)")
+    return layer_idx, match["proj"]
+
+
+def _positive_int(value: Any, field: str, folder: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidAdapter(f"{folder}: {field} must be a positive integer, got {value!r}")
+    return value
+
+
+def _names_or_regex(value: Any, field: str, folder: str) -> tuple[str, ...] | str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise InvalidAdapter(f"{folder}: {field} must be a list of names or a regex string, got {value!r}")
+
+
+def _matches(names_or_regex: tuple[str, ...] | str, module: str) -> bool:
+    """PEFT's target rule: a string is a regex matched in full; a name matches itself or a suffix."""
+    if isinstance(names_or_regex, str):
+        return re.fullmatch(names_or_regex, module) is not None
+    return any(module == name or module.endswith(f".{name}") for name in names_or_regex)
+
+
+def _pattern_value(patterns: tuple[tuple[str, Any], ...], module: str, default: Any) -> Any:
+    """PEFT's ``get_pattern_key``: the first key ``k`` with ``re.match(rf"(.*\\.)?({k})$", module)``."""
+    for key, value in patterns:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default

@@ -1,0 +1,128 @@
+"""Device slots: which adapter id sits in which of the ``max_loras`` slots, LRU order, pins, version.
+
+Contract (pin before use, unpin after, evict only unpinned):
+- ``acquire(id)`` pins ``id``. If it is resident it only pins and marks it most recently used;
+  otherwise it takes the lowest free slot, else the least recently used *unpinned* slot, and the
+  caller must write the adapter's weights into that slot before any forward pass reads it.
+- A pinned slot is never evicted, overwritten or cleared. When every slot is pinned by other ids,
+  ``can_acquire`` is False and ``acquire`` raises: the caller waits for a ``release``.
+- ``version`` is bumped by every slot write (assign or clear) and by nothing else, so state derived
+  from the layout (per-step indices) can key on it.
+
+Not thread-safe on its own: ``AdapterManager`` calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import NamedTuple
+
+
+class Acquisition(NamedTuple):
+    slot: int
+    needs_write: bool  # the slot was (re)assigned: write the adapter's weights into it
+    evicted: int | None  # the id that occupied the slot before, if any
+
+
+class SlotTable:
+    def __init__(self, max_loras: int) -> None:
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+        self.slots: list[int | None] = [None] * max_loras  # slot -> adapter id
+        self._slot_of: dict[int, int] = {}  # adapter id -> slot
+        self._pins: dict[int, int] = {}  # resident adapter id -> pin count (> 0 only)
+        self._lru: OrderedDict[int, None] = OrderedDict()  # occupied slots, least recently used first
+        self.version = 0
+
+    @property
+    def max_loras(self) -> int:
+        return len(self.slots)
+
+    @property
+    def slot_of(self) -> Mapping[int, int]:
+        """Read-only live view ``adapter id -> slot`` of the resident adapters."""
+        return MappingProxyType(self._slot_of)
+
+    def pins(self, adapter_id: int) -> int:
+        return self._pins.get(adapter_id, 0)
+
+    def in_use(self) -> int:
+        """Number of occupied slots."""
+        return len(self._slot_of)
+
+    def pinned(self) -> int:
+        """Number of pinned slots."""
+        return len(self._pins)
+
+    def can_acquire(self, adapter_id: int) -> bool:
+        """True if ``acquire(adapter_id)`` would succeed now (resident, a free slot, or an unpinned one)."""
+        return adapter_id in self._slot_of or self._victim() is not None
+
+    def acquire(self, adapter_id: int) -> Acquisition:
+        """Pin ``adapter_id`` into a slot; see the module docstring. Raises RuntimeError if it must wait."""
+        slot = self._slot_of.get(adapter_id)
+        if slot is not None:
+            self._pins[adapter_id] = self._pins.get(adapter_id, 0) + 1
+            self._lru.move_to_end(slot)
+            return Acquisition(slot, needs_write=False, evicted=None)
+        slot = self._victim()
+        if slot is None:
+            raise RuntimeError(f"cannot acquire adapter {adapter_id}: all {self.max_loras} slots are pinned")
+        evicted = self.slots[slot]
+        if evicted is not None:
+            del self._slot_of[evicted]
+        self.slots[slot] = adapter_id
+        self._slot_of[adapter_id] = slot
+        self._pins[adapter_id] = 1
+        self._lru[slot] = None
+        self._lru.move_to_end(slot)
+        self.version += 1
+        return Acquisition(slot, needs_write=True, evicted=evicted)
+
+    def release(self, adapter_id: int) -> int:
+        """Drop one pin; return the pins left. Raises RuntimeError if ``adapter_id`` is not pinned."""
+        count = self._pins.get(adapter_id, 0)
+        if count == 0:
+            raise RuntimeError(f"release of adapter {adapter_id}, which holds no pin")
+        if count == 1:
+            del self._pins[adapter_id]
+        else:
+            self._pins[adapter_id] = count - 1
+        return count - 1
+
+    def clear(self, slot: int) -> int | None:
+        """Empty an unpinned slot (a slot write: bumps the version); return the id it held."""
+        adapter_id = self.slots[slot]
+        if adapter_id is not None and adapter_id in self._pins:
+            raise RuntimeError(f"cannot clear slot {slot}: adapter {adapter_id} is pinned")
+        if adapter_id is not None:
+            del self._slot_of[adapter_id]
+            del self._lru[slot]
+        self.slots[slot] = None
+        self.version += 1
+        return adapter_id
+
+    def _victim(self) -> int | None:
+        """The lowest free slot, else the least recently used unpinned slot, else None."""
+        for slot, adapter_id in enumerate(self.slots):
+            if adapter_id is None:
+                return slot
+        for slot in self._lru:
+            if self.slots[slot] not in self._pins:
+                return slot
+        return None
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the table, the reverse map, the LRU order and the pins disagree."""
+        occupied = {s: a for s, a in enumerate(self.slots) if a is not None}
+        if len(set(occupied.values())) != len(occupied):
+            raise AssertionError(f"an adapter sits in two slots: {self.slots}")
+        if {a: s for s, a in occupied.items()} != self._slot_of:
+            raise AssertionError(f"reverse map {self._slot_of} disagrees with slots {self.slots}")
+        if set(self._lru) != set(occupied):
+            raise AssertionError(f"LRU order {list(self._lru)} disagrees with occupied slots {occupied}")
+        for adapter_id, count in self._pins.items():
+            if count < 1 or adapter_id not in self._slot_of:
+                raise AssertionError(f"adapter {adapter_id} has {count} pins but is not resident")
