@@ -1,0 +1,77 @@
+"""Shared benchmark helpers: random PEFT-format adapters written directly, chat prompts, peak RSS."""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import resource
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from loraplex.config import PROJECTIONS, ModelConfig
+
+_MODULE_PATH = {name: ("self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp")
+                for name in PROJECTIONS}
+
+QUESTIONS = [
+    "Explain in two sentences why the sky is blue.", "Write a short poem about a lighthouse at night.",
+    "What are three tips for learning a new language?", "Describe how a bicycle works to a child.",
+    "Give me a recipe idea that uses rice and beans.", "Why do cats purr? Answer briefly.",
+    "Summarise the plot of a heist movie you invent.", "What is the difference between weather and climate?",
+    "List some ways to save energy at home.", "How do airplanes stay in the air?",
+    "Suggest a name for a coffee shop and explain it.", "What makes a good team leader?",
+    "Tell me a fun fact about octopuses.", "How should I prepare for a job interview?",
+    "Explain what a prime number is with an example.", "Write a friendly reminder about a meeting tomorrow.",
+]
+
+
+def write_random_adapter(folder: Path, model_config: ModelConfig, rank: int, seed: int, b_std: float = 0.09) -> Path:
+    """A PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) on all seven projections,
+    A ~ N(0, 1/in), B ~ N(0, b_std^2): the format PEFT's save_pretrained writes, without loading the model."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(model_config.num_layers):
+        for name, (fan_in, fan_out) in model_config.projection_shapes().items():
+            prefix = f"base_model.model.model.layers.{layer}.{_MODULE_PATH[name]}.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * b_std
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank,
+              "target_modules": list(PROJECTIONS), "bias": "none", "use_rslora": False, "use_dora": False,
+              "modules_to_save": None, "lora_dropout": 0.0, "base_model_name_or_path": "smollm2-135m-instruct"}
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def chat_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:  # noqa: ANN001
+    """``n`` chat-formatted prompts of ~30-60 tokens, as token ids."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        question = QUESTIONS[i % len(QUESTIONS)]
+        if rng.random() < 0.5:
+            question += " Please keep the answer short and clear."
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"]
+        prompts.append(list(ids))
+    return prompts
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def machine_line() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, {platform.python_version()}"

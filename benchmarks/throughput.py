@@ -1,0 +1,165 @@
+"""Offline throughput of loraplex on SmolLM2-135M (float32, 2 threads, greedy, EOS ignored, 64 tokens).
+
+Workloads, all in one run after a warm-up: (a) 32 requests on the base model; (b) 32 requests over 8
+rank-16 adapters on all seven projections, max_loras=8; (c) 32 requests over 32 adapters,
+max_loras=32; (d) 128 requests over 32 adapters (4 each, shuffled), max_loras=8, max_num_seqs=32, and
+(d0) the same 128 requests on the base model; (e) HF transformers ``generate`` at batch 32 on (a);
+(f) one request alone. Also the bare matmuls of one batch-32 decode step (``gemm_floor_ms``) against
+loraplex's whole decode step (``decode_step_ms``).
+
+    python benchmarks/throughput.py [--out results.json] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from benchmarks.common import chat_prompts, machine_line, peak_rss_mib, write_random_adapter
+from loraplex import LLM, SamplingParams
+from loraplex.config import ModelConfig
+from loraplex.layers.lora_linear import LoRALinear
+from loraplex.models.embedded import embedded_checkpoint
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], adapters: list[str | None], tokens: int) -> dict:
+    """Run the workload; record per-step wall time for full-batch decode-only steps."""
+    engine = llm.engine
+    decode_steps: list[float] = []
+    schedule, step = engine.scheduler.schedule, engine.step
+    shape: list[tuple[int, int]] = []
+
+    def schedule_hook():  # noqa: ANN202
+        batch = schedule()
+        shape.append((len(batch), sum(s.num_tokens for s in batch)))
+        return batch
+
+    def step_hook():  # noqa: ANN202
+        start = time.perf_counter()
+        out = step()
+        if shape and shape[-1][0] == shape[-1][1] == 32:
+            decode_steps.append((time.perf_counter() - start) * 1e3)
+        shape.clear()
+        return out
+
+    engine.scheduler.schedule, engine.step = schedule_hook, step_hook
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, adapters=adapters, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    engine.scheduler.schedule, engine.step = schedule, step
+    generated = sum(len(o.token_ids) for o in outs)
+    return {"tok_s": generated / elapsed, "seconds": elapsed, "generated": generated,
+            "decode_step_ms": statistics.median(decode_steps) if decode_steps else None}
+
+
+def make_llm(**kwargs) -> LLM:  # noqa: ANN003
+    llm = LLM(**kwargs)
+    warm = [[1, 2, 3, 4, 5, 6, 7, 8]] * 4
+    llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    return llm
+
+
+def gemm_floor_ms(llm: LLM, batch: int = 32, repeats: int = 5) -> float:
+    """One decode step's matmuls alone: every base projection and the lm_head on ``batch`` tokens."""
+    weights = [m.weight for m in llm.engine.model.modules() if isinstance(m, LoRALinear)]
+    head = llm.engine.model.lm_head_weight
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            for w in weights:
+                F.linear(torch.randn(batch, w.shape[1]), w)
+            F.linear(torch.randn(batch, head.shape[1]), head)
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[1:])
+
+
+def hf_generate_tok_s(prompts: list[list[int]], tokens: int, pad_id: int) -> float:
+    model = AutoModelForCausalLM.from_pretrained(embedded_checkpoint(), dtype=torch.float32).eval()
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        model.generate(ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=2, do_sample=False,
+                       pad_token_id=pad_id)
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+                             do_sample=False, pad_token_id=pad_id)
+        elapsed = time.perf_counter() - start
+    return (out.shape[1] - width) * len(prompts) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    base = embedded_checkpoint()
+    model_config = ModelConfig.from_hf(base)
+    root = Path(tempfile.mkdtemp(prefix="loraplex-bench-"))
+    adapters = {f"a{i}": write_random_adapter(root / f"a{i}", model_config, rank=16, seed=i) for i in range(32)}
+    results: dict[str, float | None | str] = {"machine": machine_line()}
+    rows = []
+
+    def workload(key: str, label: str, n: int, names: list[str | None], **cfg) -> None:  # noqa: ANN003
+        llm = make_llm(**cfg)
+        for name in sorted({a for a in names if a}):
+            llm.load_adapter(name, adapters[name])
+        if key == "base":
+            results["gemm_floor_ms"] = gemm_floor_ms(llm)
+        prompts = chat_prompts(llm.tokenizer, n)
+        r = timed_generate(llm, prompts, names, args.tokens)
+        results[f"{key}_tok_s"] = r["tok_s"]
+        if key == "base":
+            results["decode_step_ms"] = r["decode_step_ms"]
+        rows.append((label, r["tok_s"], r["decode_step_ms"]))
+        del llm
+        gc.collect()
+
+    shuffled = [f"a{i % 32}" for i in range(128)]
+    random.Random(0).shuffle(shuffled)
+    workload("base", "(a) 32 req, base", 32, [None] * 32, max_loras=8)
+    workload("mixed8", "(b) 32 req / 8 adapters, 8 slots", 32, [f"a{i % 8}" for i in range(32)], max_loras=8)
+    workload("mixed32", "(c) 32 req / 32 adapters, 32 slots", 32, [f"a{i}" for i in range(32)],
+             max_loras=32, max_cpu_loras=32)
+    workload("churn", "(d) 128 req / 32 adapters, 8 slots", 128, shuffled, max_loras=8, max_cpu_loras=32,
+             max_num_seqs=32)
+    workload("churn_base", "(d0) 128 req, base", 128, [None] * 128, max_loras=8, max_num_seqs=32)
+    workload("batch1", "(f) 1 request alone", 1, [None], max_loras=1)
+    pad = chat_prompts(make_llm(max_loras=1).tokenizer, 32)
+    results["hf_tok_s"] = hf_generate_tok_s(pad, args.tokens, pad_id=2)
+    rows.insert(5, ("(e) HF generate, batch 32, base", results["hf_tok_s"], None))
+    results["peak_rss_mib"] = peak_rss_mib()
+
+    print(f"\n{results['machine']}\n")
+    print(f"{'workload':40s} {'tok/s':>9s} {'decode step ms':>15s}")
+    for label, tok_s, step_ms in rows:
+        print(f"{label:40s} {tok_s:9.1f} {step_ms if step_ms is None else f'{step_ms:.1f}':>15}")
+    b = results["base_tok_s"]
+    print(f"\n(b)/(a) {results['mixed8_tok_s'] / b:.2f}  (target >= 0.90)")
+    print(f"(c)/(a) {results['mixed32_tok_s'] / b:.2f}  (target >= 0.80)")
+    print(f"(d)/(d0) {results['churn_tok_s'] / results['churn_base_tok_s']:.2f}  (target >= 0.75)")
+    print(f"(a)/(e) {b / results['hf_tok_s']:.2f}  (target >= 1.0)")
+    print(f"decode_step_ms / gemm_floor_ms = {results['decode_step_ms']:.1f} / {results['gemm_floor_ms']:.1f} "
+          f"= {results['decode_step_ms'] / results['gemm_floor_ms']:.2f}  (target <= 1.15)")
+    print(f"peak RSS {results['peak_rss_mib']:.0f} MiB")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
