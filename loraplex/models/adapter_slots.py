@@ -28,8 +28,9 @@ def group_by_layer(model, weights: _HasModules) -> list[list[dict[str, Pair]]]:
     cfg = model.config
     shapes = cfg.projection_shapes()
     source = getattr(weights, "path", "adapter")
-    packed_index = {name: i for i, linear in enumerate(model.layers[0].adapted()) for name in linear.names}
-    grouped: list[list[dict[str, Pair]]] = [[{} for _ in packed_index.values()] for _ in model.layers]
+    linears = model.layers[0].adapted()
+    packed_index = {name: i for i, linear in enumerate(linears) for name in linear.names}
+    grouped: list[list[dict[str, Pair]]] = [[{} for _ in linears] for _ in model.layers]
     for (layer_idx, proj), (a, b) in weights.modules.items():
         if proj not in PROJECTIONS:
             raise UnsupportedAdapter(f"{source}: module {proj!r} is not an adapted projection {PROJECTIONS}")
