@@ -159,6 +159,8 @@ BAD = {
                            ["layer 7 is out of range", "2 layers"]),
     "untargeted_module": ("r4_attn", {"target_modules": ["q_proj", "k_proj", "v_proj"]}, None, None, 16,
                           InvalidAdapter, ["'model.layers.0.self_attn.o_proj'", "target_modules"]),
+    "layers_to_transform": ("r4_attn", {"layers_to_transform": [0]}, None, None, 16, InvalidAdapter,
+                            ["'model.layers.1.self_attn.k_proj'", "layers_to_transform"]),
     "shape_a": ("r4_attn", None, _with(Q_A, torch.zeros(4, 32)), None, 16, AdapterShapeMismatch,
                 ["q_proj.lora_A has shape [4, 32], expected [4, 64]"]),
     "shape_b_rank": ("r4_attn", None, _with(Q_B, torch.zeros(64, 3)), None, 16, AdapterShapeMismatch,

@@ -1,0 +1,300 @@
+"""AdapterManager: adapter names -> versions, and versions through disk -> host memory -> device slots.
+
+Tiers: registry (name -> ``AdapterInfo``, unbounded), host memory (``max_cpu_loras`` versions, LRU),
+device slots (``max_loras``, written through ``writer``).
+- Ids are versions. Each successful ``load`` gets a fresh id; ``unload`` retires the id: it can no
+  longer be acquired (``failure(id)`` says why), but pins already held keep its slot intact until
+  the last ``release``, which clears the slot.
+- Per request, ask then do: ``can_acquire(id)``, then ``acquire(id) -> slot`` (pins), and
+  ``release(id)`` when the request stops running. ``can_acquire`` is False while every slot is
+  pinned, or while the weights are not in host memory (it then starts a background re-read from
+  the adapter's folder; a re-read whose content hash differs marks the id failed with
+  ``AdapterContentChanged``). ``try_acquire`` does both atomically.
+- Per step, ``lora_batch(mapping)`` derives slot indices, memoised on (mapping, slot-table version);
+  every id in the mapping must be pinned.
+- One re-entrant lock guards all state; adapter files are never read while it is held.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+from loraplex.adapters.batch_indices import BatchMapping, LoRABatch, build_lora_batch
+from loraplex.adapters.host_cache import HostCache
+from loraplex.adapters.peft_format import AdapterWeights, read_peft_adapter
+from loraplex.adapters.slots import SlotTable
+from loraplex.config import ModelConfig
+from loraplex.errors import AdapterAlreadyLoaded, AdapterContentChanged, AdapterError, UnknownAdapter
+
+logger = logging.getLogger(__name__)
+
+
+class SlotWriter(Protocol):
+    """What the model implements: copy one adapter into a device slot, or zero a slot."""
+
+    def set_slot(self, slot: int, weights: AdapterWeights) -> None: ...
+
+    def clear_slot(self, slot: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    path: str
+    adapter_id: int  # the version: fresh for every load
+    content_hash: str
+    max_rank: int
+
+
+@dataclass
+class AdapterCounters:
+    loads: int = 0  # successful load() calls
+    device_evictions: int = 0  # a slot's adapter overwritten by another one
+    host_evictions: int = 0  # weights dropped from host memory by the LRU bound
+    device_hits: int = 0  # acquire found the adapter already in a slot
+    host_hits: int = 0  # acquire wrote a slot from weights in host memory
+    disk_reads: int = 0  # background re-reads of adapters no longer in host memory
+
+
+class AdapterManager:
+    def __init__(self, model_config: ModelConfig, max_loras: int, max_cpu_loras: int, max_lora_rank: int,
+                 writer: SlotWriter, allow_pickle: bool = False) -> None:
+        self.model_config, self.max_lora_rank, self.allow_pickle = model_config, max_lora_rank, allow_pickle
+        self.writer = writer
+        self.slot_table = SlotTable(max_loras)
+        self.host = HostCache(max_cpu_loras)
+        self._counters = AdapterCounters()
+        self._lock = threading.RLock()
+        self._names: dict[str, AdapterInfo] = {}  # live versions
+        self._infos: dict[int, AdapterInfo] = {}  # live versions + unloaded ones still pinned
+        self._failures: dict[int, AdapterError] = {}  # ids that can never be acquired again
+        self._written: list[str | None] = [None] * max_loras  # content hash handed to the writer per slot
+        self._next_id = 1
+        self._reads: dict[int, Future[None]] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-adapter-read")
+        self._memo: tuple[BatchMapping, int, LoRABatch, frozenset[int]] | None = None
+        self._checked_version = 0
+
+    def load(self, name: str, path: str | Path) -> AdapterInfo:
+        """Read and validate ``path`` in the caller's thread, then register it as a new version."""
+        self._check_name_free(name, path)
+        weights = read_peft_adapter(path, self.model_config, self.max_lora_rank, self.allow_pickle)
+        with self._lock:
+            self._check_name_free(name, path)
+            info = AdapterInfo(name, weights.path, self._next_id, weights.content_hash, weights.max_rank)
+            self._next_id += 1
+            self._names[name] = info
+            self._infos[info.adapter_id] = info
+            self._put_host(info.adapter_id, weights)
+            self._counters.loads += 1
+        logger.info("loaded adapter %r (id %d, rank %d) from %s", name, info.adapter_id, info.max_rank, path)
+        return info
+
+    def unload(self, name: str) -> None:
+        """Retire ``name``: new resolves fail; pinned slots stay intact until their last release."""
+        with self._lock:
+            info = self._names.pop(name, None)
+            if info is None:
+                raise UnknownAdapter(f"no adapter named {name!r} is loaded")
+            self._failures[info.adapter_id] = UnknownAdapter(f"adapter {name!r} (id {info.adapter_id}) was unloaded")
+            self.host.pop(info.adapter_id)
+            if self.slot_table.pins(info.adapter_id) == 0:
+                self._drop(info.adapter_id)
+        logger.info("unloaded adapter %r (id %d)", name, info.adapter_id)
+
+    def resolve(self, name: str) -> int:
+        with self._lock:
+            info = self._names.get(name)
+            if info is None:
+                raise UnknownAdapter(f"no adapter named {name!r} is loaded")
+            return info.adapter_id
+
+    def list(self) -> list[AdapterInfo]:
+        """Live versions in load order (= id order)."""
+        with self._lock:
+            return list(self._names.values())
+
+    def info(self, adapter_id: int) -> AdapterInfo:
+        with self._lock:
+            info = self._infos.get(adapter_id)
+            if info is None:
+                raise UnknownAdapter(f"no adapter with id {adapter_id}")
+            return info
+
+    def failure(self, adapter_id: int) -> AdapterError | None:
+        """Why ``adapter_id`` can never be acquired again (unloaded, changed on disk), or None."""
+        with self._lock:
+            if adapter_id not in self._infos and adapter_id not in self._failures:
+                return UnknownAdapter(f"no adapter with id {adapter_id}")
+            return self._failures.get(adapter_id)
+
+    def can_acquire(self, adapter_id: int) -> bool:
+        """Whether ``acquire`` would succeed now; starts a background re-read if the weights are cold."""
+        with self._lock:
+            if self.failure(adapter_id) is not None:
+                return False
+            if adapter_id in self.slot_table.slot_of:
+                return True
+            if not self.host.contains(adapter_id):
+                self._start_read(adapter_id)
+                return False
+            return self.slot_table.can_acquire(adapter_id)
+
+    def acquire(self, adapter_id: int) -> int:
+        """Pin ``adapter_id`` into a slot (writing it there if needed) and return the slot."""
+        with self._lock:
+            if (error := self.failure(adapter_id)) is not None:
+                raise error
+            if adapter_id in self.slot_table.slot_of:
+                self.slot_table.acquire(adapter_id)
+                self._counters.device_hits += 1
+                return self.slot_table.slot_of[adapter_id]
+            weights = self.host.get(adapter_id)
+            if weights is None or not self.slot_table.can_acquire(adapter_id):
+                raise RuntimeError(f"acquire({adapter_id}) while can_acquire is False: ask first, then wait")
+            slot, _, evicted = self.slot_table.acquire(adapter_id)
+            self._written[slot] = None
+            try:
+                self.writer.set_slot(slot, weights)
+            except BaseException:
+                self.slot_table.release(adapter_id)
+                self.slot_table.clear(slot)
+                self.writer.clear_slot(slot)
+                raise
+            self._written[slot] = weights.content_hash
+            self._counters.host_hits += 1
+            self._counters.device_evictions += evicted is not None
+            logger.debug("slot %d <- adapter %d (evicted %s)", slot, adapter_id, evicted)
+            return slot
+
+    def try_acquire(self, adapter_id: int) -> int | None:
+        """``acquire`` if ``can_acquire`` (atomically), else None."""
+        with self._lock:
+            return self.acquire(adapter_id) if self.can_acquire(adapter_id) else None
+
+    def release(self, adapter_id: int) -> None:
+        """Drop one pin; the last pin of an unloaded version clears its slot."""
+        with self._lock:
+            if self.slot_table.release(adapter_id) == 0 and not self._is_live(adapter_id):
+                self._drop(adapter_id)
+
+    def wait_for_read(self, adapter_id: int, timeout: float | None = None) -> None:
+        """Block until a background re-read of ``adapter_id`` (if one is running) has finished."""
+        with self._lock:
+            future = self._reads.get(adapter_id)
+        if future is not None:
+            future.result(timeout)
+
+    def lora_batch(self, mapping: BatchMapping) -> LoRABatch | None:
+        """Slot indices for ``mapping`` (None if no token uses an adapter), memoised on
+        (mapping, slot-table version). Raises RuntimeError if a mapped id is not pinned."""
+        with self._lock:
+            version = self.slot_table.version
+            memo = self._memo
+            hit = memo is not None and memo[1] == version and (memo[0] is mapping or memo[0] == mapping)
+            batch, ids = (memo[2], memo[3]) if hit else (
+                None, frozenset(a for a in mapping.token_adapter_ids + mapping.seq_adapter_ids if a is not None))
+            for adapter_id in ids:
+                if self.slot_table.pins(adapter_id) == 0:
+                    raise RuntimeError(f"adapter {adapter_id} is in the batch mapping but holds no pin")
+            if batch is None:
+                if all(a is None for a in mapping.token_adapter_ids):
+                    return None
+                batch = build_lora_batch(mapping, self.slot_table.slot_of, version)
+                self._memo = (mapping, version, batch, ids)
+            return batch
+
+    def slots_in_use(self) -> int:
+        with self._lock:
+            return self.slot_table.in_use()
+
+    def slot_owner(self, slot: int) -> int | None:
+        """The adapter id in ``slot`` (None if empty): for the engine's right-weights debug check."""
+        with self._lock:
+            return self.slot_table.slots[slot]
+
+    def counters(self) -> dict[str, int]:
+        """A snapshot of ``AdapterCounters`` plus the current tier occupancy, for metrics."""
+        with self._lock:
+            return dict(asdict(self._counters), slots_in_use=self.slot_table.in_use(),
+                        slots_pinned=self.slot_table.pinned(), host_adapters=len(self.host),
+                        registered=len(self._names))
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless slots, pins, writer-visible state and registry agree."""
+        with self._lock:
+            self.slot_table.check_integrity()
+            version = self.slot_table.version
+            if version < self._checked_version:
+                raise AssertionError(f"slot version went back from {self._checked_version} to {version}")
+            self._checked_version = version
+            for slot, adapter_id in enumerate(self.slot_table.slots):
+                info = self._infos.get(adapter_id) if adapter_id is not None else None
+                if adapter_id is not None and info is None:
+                    raise AssertionError(f"slot {slot} holds adapter {adapter_id}, which is not registered")
+                if self._written[slot] != (info.content_hash if info else None):
+                    raise AssertionError(f"slot {slot}: writer got {self._written[slot]}, table says {info}")
+                if info and not self._is_live(adapter_id) and self.slot_table.pins(adapter_id) == 0:
+                    raise AssertionError(f"slot {slot} keeps unloaded, unpinned adapter {adapter_id}")
+            live = {i.adapter_id for i in self._names.values()}
+            if not set(self.host.ids()) <= live or len(self.host) > self.host.capacity:
+                raise AssertionError(f"host tier {self.host.ids()} holds ids outside {live} or is over capacity")
+            if self._memo is not None and self._memo[1] > version:
+                raise AssertionError("memoised indices are newer than the slot table")
+
+    def close(self) -> None:
+        """Stop the background reader (pending reads are cancelled)."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _check_name_free(self, name: str, path: str | Path) -> None:
+        with self._lock:
+            if name in self._names:
+                raise AdapterAlreadyLoaded(f"{path}: an adapter named {name!r} is already loaded "
+                                           f"(from {self._names[name].path}); unload it first")
+
+    def _is_live(self, adapter_id: int) -> bool:
+        """Registered and not unloaded (an unloaded version may still be pinned)."""
+        info = self._infos.get(adapter_id)
+        return info is not None and self._names.get(info.name) is info
+
+    def _put_host(self, adapter_id: int, weights: AdapterWeights) -> None:
+        self._counters.host_evictions += len(self.host.put(adapter_id, weights))
+
+    def _drop(self, adapter_id: int) -> None:
+        """Forget an unloaded version whose pins reached zero; its slot (if any) is cleared."""
+        del self._infos[adapter_id]
+        slot = self.slot_table.slot_of.get(adapter_id)
+        if slot is not None:
+            self.slot_table.clear(slot)
+            self._written[slot] = None
+            self.writer.clear_slot(slot)
+
+    def _start_read(self, adapter_id: int) -> None:
+        if adapter_id not in self._reads:
+            self._reads[adapter_id] = self._executor.submit(self._reread, self._infos[adapter_id])
+
+    def _reread(self, info: AdapterInfo) -> None:
+        """Background thread: re-read an adapter evicted from host memory; check it is unchanged."""
+        error: AdapterError | None = None
+        who = f"{info.path}: adapter {info.name!r} (id {info.adapter_id})"
+        try:
+            weights = read_peft_adapter(info.path, self.model_config, self.max_lora_rank, self.allow_pickle)
+            if weights.content_hash != info.content_hash:
+                error = AdapterContentChanged(f"{who} changed on disk since it was loaded; load it again")
+        except Exception as e:  # any failure must reach the waiting requests, not die in this thread
+            error = AdapterContentChanged(f"{who} could not be re-read: {e}")
+        with self._lock:
+            del self._reads[info.adapter_id]
+            self._counters.disk_reads += 1
+            if not self._is_live(info.adapter_id):
+                return  # unloaded meanwhile
+            if error is not None:
+                self._failures[info.adapter_id] = error
+                logger.warning("%s", error)
+            else:
+                self._put_host(info.adapter_id, weights)

@@ -1,0 +1,224 @@
+"""AdapterManager under random operation sequences, held against a plain reference model of what every
+slot must hold (design.md section 2, invariants 1-3), with ``check_integrity()`` after every step;
+and under concurrent loads from another thread."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from loraplex.adapters.batch_indices import BatchMapping, LoRABatch
+from loraplex.adapters.manager import AdapterManager
+from loraplex.config import ModelConfig
+from loraplex.errors import AdapterAlreadyLoaded, UnknownAdapter
+from tests.test_manager import RecordingWriter, make_manager
+
+
+class ReferenceSlots:
+    """The plain model of what each slot must hold: lowest free slot, else least recently used unpinned."""
+
+    def __init__(self, max_loras: int) -> None:
+        self.slots: list[int | None] = [None] * max_loras
+        self.lru: list[int] = []  # occupied slots, least recently used first
+        self.pins: dict[int, int] = {}
+        self.version = 0
+
+    def victim(self) -> int | None:
+        free = [s for s, a in enumerate(self.slots) if a is None]
+        unpinned = [s for s in self.lru if self.pins.get(self.slots[s], 0) == 0]
+        return (free + unpinned + [None])[0]
+
+    def acquire(self, adapter_id: int) -> int:
+        if adapter_id in self.slots:
+            slot = self.slots.index(adapter_id)
+            self.lru.remove(slot)
+        else:
+            slot = self.victim()
+            if self.slots[slot] is not None:
+                self.lru.remove(slot)
+            self.slots[slot] = adapter_id
+            self.version += 1
+        self.lru.append(slot)
+        self.pins[adapter_id] = self.pins.get(adapter_id, 0) + 1
+        return slot
+
+    def clear(self, adapter_id: int) -> None:
+        if adapter_id in self.slots:
+            slot = self.slots.index(adapter_id)
+            self.slots[slot] = None
+            self.lru.remove(slot)
+            self.version += 1
+
+
+def test_manager_against_reference_model(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> None:
+    model_config = ModelConfig.from_hf(tiny_llama)
+    folders = {name: str(path) for name, path in tiny_llama_adapters.items()}
+    names = ("a", "b", "c", "d", "e")
+
+    class ManagerMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.writer = RecordingWriter(2)
+            self.manager = AdapterManager(model_config, 2, 2, 16, self.writer)
+            self.ref = ReferenceSlots(2)
+            self.live: dict[str, int] = {}  # name -> id
+            self.folder_of: dict[int, str] = {}
+            self.retired: set[int] = set()
+            self.next_id = 1
+            self.last: tuple[BatchMapping, LoRABatch] | None = None
+
+        def known_ids(self) -> list[int]:
+            return sorted(set(self.live.values()) | self.retired)
+
+        def pinned_ids(self) -> list[int]:
+            return sorted(a for a, n in self.ref.pins.items() if n > 0)
+
+        @rule(name=st.sampled_from(names), folder=st.sampled_from(sorted(folders)))
+        def load(self, name: str, folder: str) -> None:
+            if name in self.live:
+                with pytest.raises(AdapterAlreadyLoaded):
+                    self.manager.load(name, folders[folder])
+                return
+            info = self.manager.load(name, folders[folder])
+            assert info.adapter_id == self.next_id and info.name == name
+            self.live[name], self.folder_of[info.adapter_id] = info.adapter_id, folders[folder]
+            self.next_id += 1
+
+        @rule(name=st.sampled_from(names))
+        def unload(self, name: str) -> None:
+            if name not in self.live:
+                with pytest.raises(UnknownAdapter):
+                    self.manager.unload(name)
+                return
+            self.manager.unload(name)
+            adapter_id = self.live.pop(name)
+            self.retired.add(adapter_id)
+            if self.ref.pins.get(adapter_id, 0) == 0:
+                self.ref.clear(adapter_id)
+
+        def _acquire(self, adapter_id: int) -> bool:
+            if adapter_id in self.retired:
+                assert isinstance(self.manager.failure(adapter_id), UnknownAdapter)
+                assert not self.manager.can_acquire(adapter_id)
+                return False
+            expected = adapter_id in self.ref.slots or self.ref.victim() is not None
+            ok = self.manager.can_acquire(adapter_id)
+            event("acquire: " + ("must wait, all slots pinned" if not expected else "resident" if adapter_id
+                                 in self.ref.slots else "cold, re-read" if not ok else "in host memory"))
+            if not ok and expected:  # cold in host memory: wait for the background re-read
+                self.manager.wait_for_read(adapter_id, timeout=30)
+                ok = self.manager.can_acquire(adapter_id)
+            assert ok == expected
+            if ok:
+                assert self.manager.acquire(adapter_id) == self.ref.acquire(adapter_id)
+            return ok
+
+        def _release(self, adapter_id: int) -> None:
+            self.manager.release(adapter_id)
+            self.ref.pins[adapter_id] -= 1
+            if self.ref.pins[adapter_id] == 0 and adapter_id in self.retired:
+                self.ref.clear(adapter_id)
+
+        @precondition(lambda self: self.known_ids())
+        @rule(data=st.data())
+        def acquire(self, data: st.DataObject) -> None:
+            self._acquire(data.draw(st.sampled_from(self.known_ids())))
+
+        @precondition(lambda self: self.pinned_ids())
+        @rule(data=st.data())
+        def release(self, data: st.DataObject) -> None:
+            self._release(data.draw(st.sampled_from(self.pinned_ids())))
+
+        @precondition(lambda self: self.live)
+        @rule(data=st.data())
+        def activate(self, data: st.DataObject) -> None:
+            adapter_id = data.draw(st.sampled_from(sorted(self.live.values())))
+            if self._acquire(adapter_id):
+                self._release(adapter_id)
+
+        @rule(data=st.data())
+        def build_indices(self, data: st.DataObject) -> None:
+            choices = st.sampled_from([None, *self.pinned_ids()])
+            seqs = data.draw(st.lists(st.tuples(choices, st.integers(1, 3)), min_size=1, max_size=5))
+            mapping = BatchMapping.from_sequences(seqs)
+            batch = self.manager.lora_batch(mapping)
+            if all(a is None for a, _ in seqs):
+                assert batch is None
+                return
+            self.check_batch(mapping, batch)
+            assert self.manager.lora_batch(mapping) is batch  # same layout: a memo hit
+            self.last = (mapping, batch)
+
+        def check_batch(self, mapping: BatchMapping, batch: LoRABatch) -> None:
+            slot = {a: self.ref.slots.index(a) for a in self.pinned_ids()}
+            assert batch.token_slots.tolist() == [-1 if a is None else slot[a] for a in mapping.token_adapter_ids]
+            assert batch.seq_slots.tolist() == [-1 if a is None else slot[a] for a in mapping.seq_adapter_ids]
+            assert batch.slot_version == self.ref.version
+
+        @invariant()
+        def slots_match_reference(self) -> None:
+            self.manager.check_integrity()
+            assert self.manager.slot_table.slots == self.ref.slots  # pinned ids never move
+            assert self.manager.slot_table.version == self.ref.version  # every slot write bumps it
+            for slot, adapter_id in enumerate(self.ref.slots):  # invariant 1: the writer got the right weights
+                written = self.writer.slots[slot]
+                assert (written.path if written else None) == self.folder_of.get(adapter_id)
+            if self.last is not None and all(self.ref.pins.get(a, 0) for a in self.last[0].token_adapter_ids
+                                             if a is not None):
+                mapping, batch = self.last  # invariant 3: indices follow the version, never a stale memo
+                fresh = self.manager.lora_batch(mapping)
+                assert (fresh is batch) == (batch.slot_version == self.ref.version)
+                self.check_batch(mapping, fresh)
+
+        def teardown(self) -> None:
+            self.manager.close()
+
+    run_state_machine_as_test(ManagerMachine, settings=settings(
+        max_examples=60, stateful_step_count=30, deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]))
+
+
+def test_concurrent_loads_while_the_step_loop_runs(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> None:
+    """An API thread loads and unloads while the step thread acquires, builds indices and releases."""
+    manager = make_manager(ModelConfig.from_hf(tiny_llama), max_loras=2, max_cpu_loras=2)
+    stable = manager.load("stable", tiny_llama_adapters["r2_qv"]).adapter_id
+    folders = list(tiny_llama_adapters.values())
+    errors: list[BaseException] = []
+
+    def api_thread() -> None:
+        try:
+            for i in range(40):
+                manager.load(f"n{i}", folders[i % len(folders)])
+                if i >= 2:
+                    manager.unload(f"n{i - 2}")
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    thread = threading.Thread(target=api_thread)
+    thread.start()
+    steps = 0
+    while thread.is_alive() or steps < 20:
+        held = {}
+        for adapter_id in {stable, manager.list()[-1].adapter_id}:  # the newest may be unloaded any time
+            slot = manager.try_acquire(adapter_id)
+            if slot is not None:
+                held[adapter_id] = slot
+            elif manager.failure(adapter_id) is None:
+                manager.wait_for_read(adapter_id, timeout=30)
+        ids = tuple(held)
+        batch = manager.lora_batch(BatchMapping((*ids, None), (*ids, None)))
+        assert ids == () or batch.token_slots.tolist() == [*held.values(), -1]
+        assert all(manager.slot_owner(s) == a for a, s in held.items())
+        for adapter_id in ids:
+            manager.release(adapter_id)
+        manager.check_integrity()
+        steps += 1
+    thread.join()
+    assert not errors and manager.counters()["slots_pinned"] == 0
+    assert [i.name for i in manager.list()] == ["stable", "n38", "n39"]
+    manager.close()
