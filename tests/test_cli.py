@@ -1,0 +1,109 @@
+"""``loraplex serve`` and ``loraplex generate``: flags, clean errors, printed completions, and a
+real server process that starts, logs what it serves and answers with its adapters and key."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loraplex import LLM, SamplingParams
+from loraplex.cli import build_parser, main
+
+
+def test_serve_defaults() -> None:
+    args = build_parser().parse_args(["serve"])
+    assert (args.model, args.host, args.port) == ("smollm2-135m-instruct", "127.0.0.1", 8000)
+    assert (args.adapter, args.adapter_root, args.allow_runtime_adapters) == ([], [], False)
+
+
+def test_repeated_adapters_and_roots() -> None:
+    args = build_parser().parse_args(["serve", "--adapter", "a=/x/a", "--adapter", "b=rel/b=c", "--adapter-root",
+                                      "/r1", "--adapter-root", "/r2", "--allow-runtime-adapters", "--port", "9"])
+    assert args.adapter == [("a", "/x/a"), ("b", "rel/b=c")]
+    assert (args.adapter_root, args.allow_runtime_adapters, args.port) == (["/r1", "/r2"], True, 9)
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--adapter", "no-equals-sign"],
+    ["serve", "--adapter", "=path"],
+    ["generate", "--adapter", "name=", "hello"],
+    ["serve", "--max-loras", "8", "--max-cpu-loras", "2"],
+    ["serve", "--max-loras", "0"],
+    ["serve", "--port", "eighty"],
+    ["generate"],
+])
+def test_bad_arguments_are_clean_argparse_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: loraplex" in err and "error:" in err and "Traceback" not in err
+
+
+def test_generate_prints_completions(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = ["Hello there", "The sea is"]
+    folder = tiny_llama_adapters["r8_all"]
+    code = main(["generate", "--model", str(tiny_llama), "--adapter", f"sql={folder}", "--use", "sql",
+                 "--max-tokens", "6", "--log-level", "warning", *prompts])
+    assert code == 0
+    llm = LLM(model=str(tiny_llama), kv_cache_blocks=64)
+    llm.load_adapter("sql", folder)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), adapters="sql", use_tqdm=False)
+    printed = capsys.readouterr().out
+    assert printed == "".join(f"### {p}\n{o.text}\n" for p, o in zip(prompts, outs, strict=True))
+
+
+def test_generate_unknown_adapter_is_a_clean_error(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["generate", "--model", str(tiny_llama), "--use", "nope", "--log-level", "warning", "hi"])
+    assert code == 1
+    assert "loraplex: error:" in capsys.readouterr().err
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_process(tiny_llama: Path, tiny_llama_adapters: dict[str, Path], tmp_path: Path) -> None:
+    port, folder = free_port(), tiny_llama_adapters["r4_attn"]
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "LORAPLEX_API_KEY": "k3y"}
+    cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(tiny_llama), "--adapter", f"chat={folder}",
+           "--port", str(port), "--max-loras", "2", "--allow-runtime-adapters", "--adapter-root", str(tmp_path)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        url, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k3y"}
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        models = httpx.get(f"{url}/v1/models", headers=auth).json()["data"]
+        assert [(m["id"], m["parent"]) for m in models] == [(tiny_llama.name, None), ("chat", tiny_llama.name)]
+        r = httpx.post(f"{url}/v1/completions", headers=auth, timeout=60,
+                       json={"model": "chat", "prompt": "Hi", "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    text = log.read_text()
+    for expected in (f"serving on http://127.0.0.1:{port}/v1", "dtype torch.float32", "2 adapter slots",
+                     "KV cache", f"adapters: chat={folder}"):
+        assert expected in text, text

@@ -1,0 +1,178 @@
+"""The OpenAI-compatible server over real HTTP (uvicorn on 127.0.0.1), with the official ``openai``
+client and httpx: completions and chat, streamed and not, for the base model and two adapters, each
+equal to the offline ``LLM.generate`` output; ``/v1/models`` through runtime load and unload;
+metrics; a client that disconnects frees its request."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loraplex import LLM, SamplingParams
+from tests.server_harness import BASE, Server, tiny_server, wait_until_idle
+
+CONFIG = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=8)
+STARTUP = ("r8_all", "r4_attn")  # loaded at start; r16_mlp is loaded through the API
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with tiny_server(tiny_llama, tiny_llama_adapters, STARTUP, ("r16_mlp",), tmp_path_factory.mktemp("root"),
+                     **CONFIG) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> LLM:
+    llm = LLM(model=str(tiny_llama), **CONFIG)
+    for name in (*STARTUP, "r16_mlp"):
+        llm.load_adapter(name, tiny_llama_adapters[name])
+    return llm
+
+
+def solo(llm: LLM, prompt: str | list[int], model: str, max_tokens: int) -> tuple[str, int, str]:
+    """(text, completion tokens, finish reason) of the request run alone, offline."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    out = llm.generate([prompt], params, adapters=[None if model == BASE else model], use_tqdm=False)[0]
+    return out.text, len(out.token_ids), out.finish_reason
+
+
+def chat_prompt_ids(llm: LLM) -> list[int]:
+    """The chat prompt's token ids, through transformers' own tokenizing path of the template."""
+    enc = llm.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)
+    return list(enc["input_ids"])
+
+
+def sse_lines(response: httpx.Response) -> list[str]:
+    return [line for line in response.iter_lines() if line]
+
+
+@pytest.mark.parametrize("model", [BASE, *STARTUP])
+def test_completion_streamed_and_not_equal_offline(server: Server, offline: LLM, model: str) -> None:
+    text, n_tokens, finish = solo(offline, PROMPT, model, 12)
+    client = server.client()
+    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert full.choices[0].text == text
+    assert full.choices[0].finish_reason == finish
+    assert full.usage.completion_tokens == n_tokens
+    assert full.usage.prompt_tokens == len(offline.engine.tokenize(PROMPT))
+    assert full.usage.total_tokens == full.usage.prompt_tokens + n_tokens
+    assert full.model == model and full.object == "text_completion"
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
+    assert chunks[-1].usage.completion_tokens == n_tokens
+
+
+@pytest.mark.parametrize("model", [BASE, *STARTUP])
+def test_chat_streamed_and_not_equal_offline(server: Server, offline: LLM, model: str) -> None:
+    prompt_ids = chat_prompt_ids(offline)
+    text, n_tokens, finish = solo(offline, prompt_ids, model, 10)
+    client = server.client()
+    full = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=10, temperature=0)
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].message.content == text
+    assert full.choices[0].finish_reason == finish
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (len(prompt_ids), n_tokens)
+    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == finish
+
+
+def test_adapters_change_the_output(offline: LLM) -> None:
+    """Guards the equality tests above: base and the two adapters write different texts."""
+    texts = {solo(offline, PROMPT, model, 12)[0] for model in (BASE, *STARTUP)}
+    assert len(texts) == 3
+
+
+def test_raw_sse_format(server: Server) -> None:
+    body = {"model": "r8_all", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = sse_lines(response)
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert {c["object"] for c in chunks} == {"text_completion"}
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_models_follow_runtime_load_and_unload(server: Server, offline: LLM) -> None:
+    client = server.client()
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {BASE, *STARTUP}
+    assert cards[BASE].parent is None and cards[BASE].object == "model"
+    for name in STARTUP:
+        assert cards[name].parent == BASE
+        assert Path(cards[name].root).resolve() == server.outside[name].resolve()
+    folder = server.root / "r16_mlp"
+    r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "r16_mlp", "lora_path": str(folder)})
+    assert r.status_code == 200, r.text
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {BASE, *STARTUP, "r16_mlp"}
+    assert (cards["r16_mlp"].parent, Path(cards["r16_mlp"].root)) == (BASE, folder.resolve())
+    text = solo(offline, PROMPT, "r16_mlp", 8)[0]
+    assert client.completions.create(model="r16_mlp", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text \
+        == text
+    r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "r16_mlp"})
+    assert r.status_code == 200, r.text
+    assert {m.id for m in client.models.list().data} == {BASE, *STARTUP}
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="r16_mlp", prompt=PROMPT, max_tokens=2)
+
+
+def test_disconnect_mid_stream_aborts_the_request(server: Server) -> None:
+    """Streamed and not: the client leaves early; the request is aborted, its KV blocks and pin freed."""
+    aborted_before = metric_value(server, "loraplex_requests_total", adapter="r8_all", status="abort")
+    body = {"model": "r8_all", "prompt": PROMPT, "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert server.engine.stats().num_running == 1  # decoding, not finished
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+    wait_until_idle(server.engine)
+    # Aborted, not run to the end: each request counted once, as "abort".
+    assert metric_value(server, "loraplex_requests_total", adapter="r8_all", status="abort") == aborted_before + 2
+
+
+def metric_value(server: Server, name: str, **labels: str) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def test_metrics_and_health(server: Server) -> None:
+    client = server.client()
+    before = metric_value(server, "loraplex_requests_total", adapter="r4_attn", status="length")
+    tokens_before = metric_value(server, "loraplex_generation_tokens_total", adapter="r4_attn")
+    client.completions.create(model="r4_attn", prompt=PROMPT, max_tokens=5, temperature=0, extra_body={
+        "ignore_eos": True})
+    assert metric_value(server, "loraplex_requests_total", adapter="r4_attn", status="length") == before + 1
+    assert metric_value(server, "loraplex_generation_tokens_total", adapter="r4_attn") == tokens_before + 5
+    assert metric_value(server, "loraplex_time_to_first_token_seconds_count") >= 1
+    assert metric_value(server, "loraplex_time_per_output_token_seconds_count") >= 1
+    assert metric_value(server, "loraplex_step_latency_seconds_count") >= 5
+    assert metric_value(server, "loraplex_adapter_slots_total") == 2
+    assert metric_value(server, "loraplex_adapter_loads_total") >= len(STARTUP)
+    assert metric_value(server, "loraplex_requests_running") == 0
+    assert 0 <= metric_value(server, "loraplex_adapter_slot_occupancy") <= 1
+    r = httpx.get(f"{server.url}/health")
+    assert (r.status_code, r.json()) == (200, {"status": "ok"})

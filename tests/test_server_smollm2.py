@@ -1,0 +1,69 @@
+"""The server on the real embedded SmolLM2-135M-Instruct: chat through its own template, base and an
+adapter, streamed and not, equal to the offline ``LLM.generate`` output of the same engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+
+from loraplex import LLM, RequestOutput, SamplingParams
+from loraplex.models.embedded import EMBEDDED_MODEL, embedded_checkpoint
+from loraplex.server.app import create_app
+from tests.fixtures import write_peft_adapter
+from tests.server_harness import running_server
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "user", "content": "Write one sentence about the sea."}]
+MAX_TOKENS = 12
+
+
+@dataclass
+class Smol:
+    url: str
+    prompt_tokens: int
+    offline: dict[str, RequestOutput]  # model name -> offline output
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Smol]:
+    """A server on SmolLM2 with one adapter, and the offline outputs of the same engine computed
+    before the server starts (``LLM.generate`` and the server's step thread never run together)."""
+    adapter = write_peft_adapter(embedded_checkpoint(), tmp_path_factory.mktemp("smol") / "qv", rank=8,
+                                 b_std=0.09, seed=3)
+    llm = LLM(max_loras=1, max_lora_rank=8, kv_cache_blocks=64)
+    llm.load_adapter("qv", adapter)
+    ids = list(llm.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)
+               ["input_ids"])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    offline = {model: llm.generate([ids], params, adapters=[None if model == EMBEDDED_MODEL else model],
+                                   use_tqdm=False)[0] for model in (EMBEDDED_MODEL, "qv")}
+    with running_server(create_app(llm.engine)) as url:
+        yield Smol(url, len(ids), offline)
+
+
+@pytest.mark.parametrize("model", [EMBEDDED_MODEL, "qv"])
+def test_chat_on_smollm2(smol: Smol, model: str) -> None:
+    want = smol.offline[model]
+    client = smol.client()
+    full = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
+    assert full.choices[0].message.content == want.text
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (smol.prompt_tokens, len(want.token_ids))
+    chunks = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+
+
+def test_smollm2_models_and_outputs_differ(smol: Smol) -> None:
+    cards = {m.id: m for m in smol.client().models.list().data}
+    assert set(cards) == {EMBEDDED_MODEL, "qv"}
+    assert cards["qv"].parent == EMBEDDED_MODEL and Path(cards["qv"].root).name == "qv"
+    assert smol.offline[EMBEDDED_MODEL].text.strip()
+    assert smol.offline[EMBEDDED_MODEL].text != smol.offline["qv"].text
