@@ -34,7 +34,7 @@ def test_churn(tiny_llama: Path, twenty: dict[str, Path]) -> None:
         params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=0.0, ignore_eos=True)
         requests.append((f"r{i}", prompt, params, adapter))
 
-    llm = LLM(model=str(tiny_llama), max_loras=3, max_cpu_loras=6, max_num_seqs=8, kv_cache_blocks=48,
+    llm = LLM(model=str(tiny_llama), max_loras=3, max_cpu_loras=6, max_num_seqs=8, kv_cache_blocks=28,
               block_size=4, debug_checks=True)
     engine = llm.engine
     loaded = set(names[:10])
@@ -46,7 +46,7 @@ def test_churn(tiny_llama: Path, twenty: dict[str, Path]) -> None:
     step = 0
     while pending or engine.has_unfinished_requests():
         step += 1
-        if pending and step % 2 == 0:
+        if pending:
             rid, prompt, params, adapter = pending.pop(0)
             try:
                 engine.add_request(rid, prompt, params, adapter)

@@ -182,7 +182,9 @@ class Engine:
         """Requests whose adapter version can no longer be served (e.g. its files changed) fail alone."""
         outputs = []
         for request in list(self.scheduler.waiting):
-            error = self.adapters.failure(request.adapter_id) if request.adapter_id is not None else None
+            if request.adapter_id is None or request.pinned:  # a pinned version stays servable
+                continue
+            error = self.adapters.failure(request.adapter_id)
             if error is not None:
                 outputs.append(self._finish(request, "error", error))
         return outputs

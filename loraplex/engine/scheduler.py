@@ -2,8 +2,8 @@
 
 Policy, once per step:
 1. Running requests go first, oldest first: a decode token each, or the next chunk of an unfinished
-   prefill. If the KV cache cannot grow, the newest running request is preempted (its blocks and
-   adapter pin are returned; it is recomputed later from its prompt and the tokens it already has).
+   prefill. If the KV cache cannot grow, the newest running request is preempted (its blocks are
+   returned; it keeps its adapter pin and is recomputed later from its prompt and its tokens so far).
 2. Waiting requests are admitted, oldest first, while ``max_num_seqs``, the step's token budget
    (``max_num_batched_tokens``) and the KV cache allow, and only if their adapter can be pinned in a
    device slot. One whose adapter cannot be placed yet stays queued while younger requests whose
@@ -82,12 +82,12 @@ class Scheduler:
             blocks = self._blocks_for(n)
             if not self.allocator.can_allocate(blocks):
                 break  # the cache is full for everyone behind it too
-            if request.adapter_id is not None and not self.adapters.can_acquire(request.adapter_id):
-                if strict:
-                    break
-                continue
-            if request.adapter_id is not None:
-                self.adapters.acquire(request.adapter_id)
+            if request.adapter_id is not None and not request.pinned:
+                # One locked ask-and-do: a concurrent load cannot slip between the two.
+                if self.adapters.try_acquire(request.adapter_id) is None:
+                    if strict:
+                        break
+                    continue
                 request.pinned = True
             request.block_table = self.allocator.allocate(blocks)
             request.status = RequestStatus.RUNNING
@@ -116,8 +116,10 @@ class Scheduler:
         return True
 
     def preempt(self, request: Request) -> None:
-        """Return ``request``'s blocks and pin; it goes back to the front of the queue to be recomputed."""
-        self._release(request)
+        """Return ``request``'s KV blocks; it goes back to the front of the queue to be recomputed. It keeps
+        its adapter pin, so the version it started with stays in its slot (even if unloaded meanwhile)."""
+        self.allocator.free(request.block_table)
+        request.block_table = []
         self.running.remove(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
