@@ -32,7 +32,9 @@ def sample(
 
 def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
     # row: [vocab]
-    scaled = row.float() / p.temperature
+    # float64, shifted by the max: any temperature > 0 (even 1e-300) sends the others to -inf,
+    # never the max to inf or NaN.
+    scaled = (row.double() - row.max()) / p.temperature
     if p.top_k > 0 and p.top_k < scaled.numel():
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -40,6 +42,8 @@ def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> i
     if p.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= p.top_p, 0.0)
+        drop = mass_before >= p.top_p
+        drop[0] = False  # the most likely token always stays (a top_p below float32's range is 0)
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator).item())
