@@ -60,6 +60,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {**COMPLETION, "top_p": 1.5}, 400, "invalid_request_error", "top_p"),
     ("/v1/completions", {**COMPLETION, "top_k": -3}, 400, "invalid_request_error", "top_k"),
     ("/v1/completions", {**COMPLETION, "n": 2}, 400, "invalid_request_error", "n"),
+    ("/v1/completions", {**COMPLETION, "seed": 2**70}, 400, "invalid_request_error", "seed"),
     ("/v1/completions", {**COMPLETION, "stop": [""]}, 400, "invalid_request_error", "stop"),
     ("/v1/completions", {**COMPLETION, "prompt": LONG_PROMPT}, 400, "invalid_request_error", "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": "word " * 600}, 400, "invalid_request_error", "prompt"),
@@ -144,6 +145,15 @@ def test_still_serving_after_errors(server: Server) -> None:
     chat = server.client().chat.completions.create(model=BASE, messages=CHAT["messages"], max_tokens=2,
                                                    temperature=0, extra_body={"ignore_eos": True})
     assert chat.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("extreme", [{"temperature": 1e-300}, {"top_p": 1e-300}, {"top_k": 10**12},
+                                     {"seed": -1}, {"seed": 2**64 - 1}, {"stop": ["x" * 10_000] * 50}])
+def test_extreme_valid_values_are_served(server: Server, extreme: dict) -> None:
+    r = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                   json={**COMPLETION, "max_tokens": 3, "ignore_eos": True, **extreme})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
 
 
 def test_openai_client_sees_typed_errors(server: Server) -> None:

@@ -22,9 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.server.adapter_policy import AdapterPathPolicy
-from loraplex.server.auth import BearerAuthMiddleware
-from loraplex.server.chat import chat_prompt_ids
+from loraplex.server.access import AdapterPathPolicy, BearerAuthMiddleware
 from loraplex.server.errors import ServerError, install_error_handlers
 from loraplex.server.generation import Generation, run_generation
 from loraplex.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -124,7 +122,7 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        prompt_ids = chat_prompt_ids(core.tokenizer, body.messages)
+        prompt_ids = body.prompt_ids(core.tokenizer)
         room = max(core.max_model_len - len(prompt_ids), 1)  # default max_tokens: the rest of the context
         gen = Generation(
             builder=ResponseBuilder(chat=True, model=body.model),

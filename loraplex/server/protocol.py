@@ -33,7 +33,7 @@ class _SamplingFields(_Body):
     temperature: float | None = None  # None: 1.0, as OpenAI
     top_p: float | None = None
     top_k: int | None = None  # 0 or -1 = off
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -98,6 +98,20 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+
+    def prompt_ids(self, tokenizer: Any) -> list[int]:
+        """Render the messages with the tokenizer's chat template (``add_generation_prompt=True``) and
+        tokenize the text as is: the template writes every special token itself. A model without a
+        template, or messages its template refuses (e.g. roles that do not alternate), are a 400 on
+        ``messages``."""
+        if not getattr(tokenizer, "chat_template", None):
+            raise RequestError("this model has no chat template; use /v1/completions", "messages")
+        conversation = [{"role": m.role, "content": m.text()} for m in self.messages]
+        try:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # jinja2 TemplateError and the template's own raise_exception()
+            raise RequestError(f"the chat template refused these messages: {exc}", "messages") from exc
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 class LoadAdapterRequest(_Body):
