@@ -45,7 +45,7 @@ def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Smol]:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     offline = {model: llm.generate([ids], params, adapters=[None if model == EMBEDDED_MODEL else model],
                                    use_tqdm=False)[0] for model in (EMBEDDED_MODEL, "qv")}
-    with running_server(create_app(llm.engine)) as url:
+    with running_server(create_app(llm)) as url:  # an LLM serves its own engine
         yield Smol(url, len(ids), offline)
 
 

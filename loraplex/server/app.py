@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from loraplex.engine.async_engine import AsyncEngine
+from loraplex.llm import LLM
 from loraplex.server.access import AdapterPathPolicy, BearerAuthMiddleware
 from loraplex.server.errors import ServerError, install_error_handlers
 from loraplex.server.generation import Generation, run_generation
@@ -48,11 +49,14 @@ def create_app(
     adapter_roots: Iterable[str | Path] = (),
     api_key: str | None = None,
 ) -> FastAPI:
-    """An app serving ``engine`` (an ``Engine`` or an ``AsyncEngine``).
+    """An app serving ``engine`` (an ``Engine``, an ``AsyncEngine``, or an ``LLM``'s engine).
 
     ``served_model_name`` defaults to ``engine.model_name``; ``api_key`` defaults to
-    ``$LORAPLEX_API_KEY`` (no auth when neither is set).
+    ``$LORAPLEX_API_KEY`` (no auth when neither is set). Runtime adapter loading is off unless
+    ``allow_runtime_adapters``; ``adapter_roots`` then bound the folders it may read.
     """
+    if isinstance(engine, LLM):
+        engine = engine.engine
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     core = async_engine.engine
     base_name = served_model_name or core.model_name
