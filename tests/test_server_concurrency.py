@@ -105,3 +105,28 @@ def test_sixteen_clients_over_six_adapters(tiny_llama: Path, adapters: dict[str,
         wait_until_idle(srv.engine)
         srv.engine.adapters.check_integrity()
     assert texts == [solo(offline, prompt, model, n) for model, prompt, n, _ in jobs]
+
+
+def test_unload_lets_running_requests_finish(seed_server: Server, offline: LLM) -> None:
+    """Unloading an adapter mid-stream: the stream finishes with the version it started with; new
+    requests for the name get 404."""
+    srv, n = seed_server, 64
+
+    async def scenario() -> tuple[str, int, int]:
+        client = srv.async_client()
+        stream = await client.completions.create(model="r4_attn", prompt=PROMPTS[5], max_tokens=n, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        it = stream.__aiter__()
+        text = (await it.__anext__()).choices[0].text
+        async with httpx.AsyncClient(base_url=srv.url) as http:
+            unloaded = (await http.post("/v1/unload_lora_adapter", json={"lora_name": "r4_attn"})).status_code
+            running = srv.engine.stats().num_running
+            text += "".join([chunk.choices[0].text async for chunk in it])
+            late = await http.post("/v1/completions", json={"model": "r4_attn", "prompt": "x", "max_tokens": 2})
+        assert running == 1, "the unload must happen mid-stream"
+        return text, unloaded, late.status_code
+
+    text, unloaded, late = asyncio.run(scenario())
+    assert (unloaded, late) == (200, 404)
+    assert text == solo(offline, PROMPTS[5], "r4_attn", n)
+    wait_until_idle(srv.engine)
