@@ -64,7 +64,12 @@ class BlockAllocator:
 
 
 class KVCache:
-    """Per-layer K and V tensors ``[num_blocks * block_size, num_kv_heads, head_dim]``."""
+    """Per-layer K and V tensors ``[num_blocks * block_size, num_kv_heads, head_dim]``.
+
+    Each layer stores K and V interleaved per slot in one tensor ``kv[layer]`` of shape
+    ``[num_blocks * block_size, 2, num_kv_heads, head_dim]`` so attention gathers both with one
+    index op; ``k[layer]`` and ``v[layer]`` are (strided) views of it.
+    """
 
     def __init__(
         self,
@@ -78,9 +83,10 @@ class KVCache:
             raise ValueError(f"KVCache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks * block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_layers)]
+        shape = (num_blocks * block_size, 2, model_config.num_kv_heads, model_config.head_dim)
+        self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_layers)]
+        self.k = [t[:, 0] for t in self.kv]  # [slots, KV, d] views
+        self.v = [t[:, 1] for t in self.kv]
 
     @staticmethod
     def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -97,4 +103,4 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.kv)

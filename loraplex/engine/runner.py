@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.adapters.batch_indices import LoRABatch
+from loraplex.config import ModelConfig
 from loraplex.engine.kv_cache import KVCache
 from loraplex.models.attention import AttentionMetadata, PrefillSpan
 
@@ -39,9 +40,10 @@ def _cache_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size:
     return torch.gather(block_table, -1, positions // block_size) * block_size + positions % block_size
 
 
-def prepare_step(entries: Sequence[StepEntry], block_size: int, vocab_size: int,
+def prepare_step(entries: Sequence[StepEntry], block_size: int, model_config: ModelConfig, dtype: torch.dtype,
                  device: torch.device) -> StepInputs:
     """Validate ``entries`` and build the step's flat inputs and attention metadata."""
+    vocab_size, kv_heads = model_config.vocab_size, model_config.num_kv_heads
     if not entries:
         raise ValueError("a step needs at least one entry")
     lens = [len(e.token_ids) for e in entries]
@@ -66,7 +68,7 @@ def prepare_step(entries: Sequence[StepEntry], block_size: int, vocab_size: int,
     slot_mapping = _cache_slots(tables[entry_of], positions[:, None], block_size)[:, 0]  # [T]
 
     decode = [i for i, n in enumerate(lens) if n == 1]
-    decode_rows = decode_slots = decode_mask = None
+    decode_rows = decode_kv_rows = decode_bias = None
     if decode:
         rows = [cu[i] for i in decode]
         contiguous = rows[-1] - rows[0] == len(rows) - 1
@@ -74,9 +76,15 @@ def prepare_step(entries: Sequence[StepEntry], block_size: int, vocab_size: int,
         idx = torch.tensor(decode, dtype=torch.int64)
         ctx = starts[idx] + 1  # [S_d]
         j = torch.arange(int(ctx.max()))  # [max_ctx]
-        # [S_d * max_ctx]; past a sequence's length the slots are arbitrary valid ones, masked below
-        decode_slots = _cache_slots(tables[idx], j.expand(len(decode), -1), block_size).flatten().to(device)
-        decode_mask = (j[None, :] < ctx[:, None]).view(len(decode), 1, 1, -1).to(device)
+        # [S_d, max_ctx]; past a sequence's length the slots are arbitrary valid ones, hidden by the bias
+        slots = _cache_slots(tables[idx], j.expand(len(decode), -1), block_size)
+        # rows of the [slots * 2 * KV, d] cache view, ordered [2 (K, V), S_d, KV, max_ctx]
+        kv_rows = (slots[None, :, None, :] * (2 * kv_heads) + torch.arange(2)[:, None, None, None] * kv_heads
+                   + torch.arange(kv_heads)[None, None, :, None])
+        decode_kv_rows = kv_rows.flatten().to(device)
+        pad = (j[None, :] >= ctx[:, None])[:, None, None, :].expand(-1, kv_heads, 1, -1)  # [S_d, KV, 1, max_ctx]
+        decode_bias = torch.zeros(pad.shape, dtype=dtype).masked_fill_(pad, float("-inf"))
+        decode_bias = decode_bias.view(len(decode) * kv_heads, 1, -1).to(device)
     prefills = []
     for i, n in enumerate(lens):
         if n == 1:
@@ -94,8 +102,8 @@ def prepare_step(entries: Sequence[StepEntry], block_size: int, vocab_size: int,
         slot_mapping=slot_mapping.to(device),
         seq_lens=(starts + lens_t)[entry_of].to(device),
         decode_rows=decode_rows,
-        decode_slots=decode_slots,
-        decode_mask=decode_mask,
+        decode_kv_rows=decode_kv_rows,
+        decode_bias=decode_bias,
         prefills=tuple(prefills),
         num_tokens=num_tokens,
     )
@@ -117,12 +125,13 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = model.embed_tokens.weight.device
+        self.dtype = model.embed_tokens.weight.dtype
 
     @torch.inference_mode()
     def execute(self, entries: Sequence[StepEntry], lora: LoRABatch | None) -> torch.Tensor:
         """Logits ``[len(entries), vocab]`` float32 of each entry's last token; writes the entries' K/V
         into the cache. ``lora`` (if any) must list the tokens in the same flat order as ``entries``."""
-        step = prepare_step(entries, self.block_size, self.model.config.vocab_size, self.device)
+        step = prepare_step(entries, self.block_size, self.model.config, self.dtype, self.device)
         if lora is not None and lora.num_tokens != step.attn.num_tokens:
             raise ValueError(f"LoRA batch has {lora.num_tokens} tokens, the step has {step.attn.num_tokens}")
         return self.model(step.input_ids, step.positions, step.attn, self.kv_cache, lora, step.logits_rows)

@@ -24,7 +24,7 @@ from loraplex.models.rotary import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
-    """``y = x / sqrt(mean(x^2, -1) + eps) * weight``; x ``[T, hidden]``."""
+    """``y = weight * (x / sqrt(mean(x^2, -1) + eps))``, computed in float32 as HF does; x ``[T, hidden]``."""
 
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
@@ -32,7 +32,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        x32 = x.float()  # no copy for float32
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class LlamaAttention(nn.Module):
@@ -50,14 +51,14 @@ class LlamaAttention(nn.Module):
                                  max_lora_rank, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        # x: [T, hidden]; cos/sin: [T, 1, d]; caches: [slots, KV, d]
+                kv_cache: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        # x: [T, hidden]; cos/sin: [T, 1, d]; kv_cache: [slots, 2, KV, d]
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x, lora)  # [T, (H + 2KV) d]
         qk = apply_rotary(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)  # [T, H + KV, d]
         v = qkv[:, (h + kvh) * d :].view(t, kvh, d)  # [T, KV, d]
-        out = paged_attention(qk[:, :h], qk[:, h:], v, k_cache, v_cache, attn)  # [T, H, d]
+        out = paged_attention(qk[:, :h], qk[:, h:], v, kv_cache, attn)  # [T, H, d]
         return self.o_proj(out.reshape(t, h * d), lora)
 
 
@@ -130,8 +131,7 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, attn.seq_lens, hidden.dtype)  # [T, 1, d] each
         for i, layer in enumerate(self.layers):
-            hidden = hidden + layer.self_attn(layer.input_layernorm(hidden), cos, sin, attn, kv.k[i], kv.v[i],
-                                              lora)
+            hidden = hidden + layer.self_attn(layer.input_layernorm(hidden), cos, sin, attn, kv.kv[i], lora)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden), lora)
         last = self.norm(hidden.index_select(0, logits_rows))  # [S, hidden]
         return F.linear(last, self.lm_head_weight).float()  # [S, vocab]
