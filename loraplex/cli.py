@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from loraplex.config import EngineConfig
 from loraplex.errors import LoraplexError
+from loraplex.integrations import ray_cli
 
 logger = logging.getLogger("loraplex.cli")
 
@@ -32,6 +33,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"adapters kept in host memory (default: max({d.max_cpu_loras}, --max-loras))")
     p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests decoding at once")
+    p.add_argument("--kv-cache-blocks", type=int, default=None,
+                   help=f"KV cache size in blocks of {d.block_size} tokens (default: {d.kv_cache_bytes >> 20} MiB)")
     p.add_argument("--dtype", default=d.dtype, help="auto (float32 on CPU), float32, bfloat16, float16")
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--log-level", default="INFO", type=str.upper,
@@ -59,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    ray = sub.add_parser("serve-ray", help="serve the HTTP API from N engine replicas on Ray Serve (loraplex[ray])")
+    _engine_args(ray)
+    ray_cli.add_arguments(ray)
     return parser
 
 
@@ -67,7 +73,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     try:
         return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_loras=args.max_loras,
                             max_cpu_loras=cpu_loras, max_lora_rank=args.max_lora_rank,
-                            max_num_seqs=args.max_num_seqs)
+                            max_num_seqs=args.max_num_seqs, kv_cache_blocks=args.kv_cache_blocks)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
@@ -113,12 +119,16 @@ def generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         print(out.text)
 
 
+def serve_ray(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    ray_cli.serve_ray(args, engine_config(args, parser), parser)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        (serve if args.command == "serve" else generate)(args, parser)
+        {"serve": serve, "generate": generate, "serve-ray": serve_ray}[args.command](args, parser)
     except LoraplexError as exc:
         print(f"loraplex: error: {exc}", file=sys.stderr)
         return 1

@@ -53,7 +53,7 @@ def test_generate_prints_completions(tiny_llama: Path, tiny_llama_adapters: dict
     prompts = ["Hello there", "The sea is"]
     folder = tiny_llama_adapters["r8_all"]
     code = main(["generate", "--model", str(tiny_llama), "--adapter", f"sql={folder}", "--use", "sql",
-                 "--max-tokens", "6", "--log-level", "warning", *prompts])
+                 "--max-tokens", "6", "--kv-cache-blocks", "32", "--log-level", "warning", *prompts])
     assert code == 0
     llm = LLM(model=str(tiny_llama), kv_cache_blocks=64)
     llm.load_adapter("sql", folder)
@@ -63,7 +63,7 @@ def test_generate_prints_completions(tiny_llama: Path, tiny_llama_adapters: dict
 
 
 def test_generate_unknown_adapter_is_a_clean_error(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["generate", "--model", str(tiny_llama), "--use", "nope", "--log-level", "warning", "hi"])
+    code = main(["generate", "--model", str(tiny_llama), "--use", "nope", "--kv-cache-blocks", "8", "hi"])
     assert code == 1
     assert "loraplex: error:" in capsys.readouterr().err
 
@@ -79,7 +79,8 @@ def test_serve_process(tiny_llama: Path, tiny_llama_adapters: dict[str, Path], t
     log = tmp_path / "serve.log"
     env = {**os.environ, "LORAPLEX_API_KEY": "k3y"}
     cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(tiny_llama), "--adapter", f"chat={folder}",
-           "--port", str(port), "--max-loras", "2", "--allow-runtime-adapters", "--adapter-root", str(tmp_path)]
+           "--port", str(port), "--max-loras", "2", "--kv-cache-blocks", "64", "--allow-runtime-adapters",
+           "--adapter-root", str(tmp_path)]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
@@ -105,5 +106,5 @@ def test_serve_process(tiny_llama: Path, tiny_llama_adapters: dict[str, Path], t
         proc.wait(timeout=30)
     text = log.read_text()
     for expected in (f"serving on http://127.0.0.1:{port}/v1", "dtype torch.float32", "2 adapter slots",
-                     "KV cache", f"adapters: chat={folder}"):
+                     "KV cache 64 blocks x 16 tokens", f"adapters: chat={folder}"):
         assert expected in text, text
