@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from loraplex.adapters.batch_indices import LoRABatch
-from loraplex.ops.lora import add_lora
+from loraplex.ops.lora import Blocks, add_lora
 
 
 class LoRALinear(nn.Module):
@@ -53,30 +53,35 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_b", torch.zeros(max_loras, total_out, rank_capacity, dtype=dtype,
                                                    device=device), persistent=False)  # [max_loras, out, R_max]
         self.slot_ranks = [0] * max_loras  # packed rank R_s per slot; 0 = slot empty for this layer
+        self.slot_blocks: list[Blocks] = [()] * max_loras  # per slot: B's nonzero (out, rank) blocks
 
     def set_slot(self, slot: int, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write one adapter into ``slot``. ``pairs[name] = (A [r, in], B [out, r])``, B scale-folded."""
         self.clear_slot(slot)
         rank_offset = 0
+        blocks = []
         for i, name in enumerate(self.names):
-            if name not in pairs:
-                continue
-            a, b = pairs[name]
-            r = a.shape[0]
             lo, hi = self.out_offsets[i], self.out_offsets[i + 1]
-            self.lora_a[slot, rank_offset : rank_offset + r].copy_(a)
-            self.lora_b[slot, lo:hi, rank_offset : rank_offset + r].copy_(b)
+            r = 0
+            if name in pairs:
+                a, b = pairs[name]
+                r = a.shape[0]
+                self.lora_a[slot, rank_offset : rank_offset + r].copy_(a)
+                self.lora_b[slot, lo:hi, rank_offset : rank_offset + r].copy_(b)
+            blocks.append((lo, hi, rank_offset, rank_offset + r))
             rank_offset += r
         self.slot_ranks[slot] = rank_offset
+        self.slot_blocks[slot] = tuple(blocks)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         self.slot_ranks[slot] = 0
+        self.slot_blocks[slot] = ()
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         # x: [T, in] -> [T, sum(out)]
         y = nn.functional.linear(x, self.weight, self.bias)
         if lora is not None and lora.has_lora:
-            add_lora(y, x, self.lora_a, self.lora_b, self.slot_ranks, lora)
+            add_lora(y, x, self.lora_a, self.lora_b, self.slot_ranks, lora, slot_blocks=self.slot_blocks)
         return y
