@@ -1,0 +1,161 @@
+"""``EngineReplica``: one Ray Serve replica = one ``Engine`` (own slots, host cache, step thread) plus
+the same FastAPI app ``loraplex serve`` runs, called in-process for each forwarded request.
+
+Adapter loading is lazy and per replica: the router sends a request for ``model=NAME`` with NAME as
+Serve's multiplexed model id; the replica's ``@serve.multiplexed`` loader registers
+``<root>/NAME`` in its engine on first use (an adapter given at start is already registered), and
+from then on Serve routes NAME's requests to this replica while it has room. Each response carries
+``x-loraplex-replica`` (this replica's id) and, for adapter requests, ``x-loraplex-adapter-cache``
+(``hit`` when this replica already held the adapter, else ``miss``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import torch
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+from starlette.types import ASGIApp
+
+from loraplex.engine.engine import Engine
+from loraplex.errors import AdapterAlreadyLoaded, LoraplexError
+from loraplex.integrations.asgi_bridge import ForwardedRequest, Header, ResponseStart, call_asgi
+from loraplex.integrations.ray_config import AFFINITY_HEADER, REPLICA_HEADER, RayServeConfig
+from loraplex.server.access import AdapterPathPolicy
+from loraplex.server.app import create_app
+from loraplex.server.errors import ServerError, error_response, loraplex_error_response
+
+logger = logging.getLogger(__name__)
+
+
+class _Held:
+    """What the multiplexed loader returns for an adapter; Serve calls ``__del__`` when it drops the
+    adapter from this replica's set (LRU). The engine keeps the adapter registered."""
+
+    def __init__(self, held: set[str], name: str) -> None:
+        self._held, self.name, self._dropped = held, name, False
+        held.add(name)
+
+    def __del__(self) -> None:
+        if not self._dropped:  # Serve calls it on eviction; the garbage collector may call it again
+            self._dropped = True
+            self._held.discard(self.name)
+
+
+class EngineReplica:
+    def __init__(self, config: RayServeConfig) -> None:
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.config = config
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.engine = Engine(config.engine)
+        for name, path in config.adapters:
+            self.engine.load_adapter(name, path)
+        self.startup = frozenset(name for name, _ in config.adapters)
+        self.roots = tuple(Path(r).expanduser().resolve() for r in config.adapter_roots)
+        self.policy = AdapterPathPolicy(True, self.roots)
+        # Auth is checked once, at the ingress; runtime loads are replaced by lazy loading.
+        self.app = create_app(self.engine, served_model_name=config.served_model_name, api_key="")
+        self.async_engine = self.app.state.async_engine
+        self.async_engine.start()
+        self.held: set[str] = set()  # adapters in this replica's Serve multiplexing set
+
+        async def hold(name: str) -> _Held:
+            return await self._register(name)
+
+        self._hold = serve.multiplexed(max_num_models_per_replica=config.max_adapters_per_replica)(hold)
+        logger.info("replica %s ready: %s, %d startup adapter(s), roots %s", self.replica_id,
+                    self.engine.model_name, len(self.startup), [str(r) for r in self.roots])
+
+    def __del__(self) -> None:
+        self.async_engine.shutdown()
+
+    def registered(self, name: str) -> bool:
+        return any(info.name == name for info in self.engine.list_adapters())
+
+    def find_in_roots(self, name: str) -> Path | None:
+        """``<root>/name`` in the first root holding an adapter of that name; ``ServerError(403)``
+        if it resolves outside its root (a symlink); None if no root has it or the name is a path."""
+        if not name or name.startswith(".") or "/" in name or "\\" in name:
+            return None
+        for root in self.roots:
+            folder = root / name
+            if (folder / "adapter_config.json").is_file():
+                return self.policy.check(str(folder))
+        return None
+
+    async def _register(self, name: str) -> _Held:
+        """The multiplexed loader: register ``name`` in the engine unless it already is."""
+        if not self.registered(name):
+            folder = self.find_in_roots(name)
+            if folder is None:
+                raise LookupError(f"adapter {name!r} vanished from the adapter roots")
+            try:
+                await self.async_engine.load_adapter(name, str(folder))
+                logger.info("replica %s loaded adapter %r from %s", self.replica_id, name, folder)
+            except AdapterAlreadyLoaded:  # a concurrent path registered it first
+                pass
+        return _Held(self.held, name)
+
+    async def _prepare(self, name: str) -> tuple[ASGIApp | None, Header | None]:
+        """Load adapter ``name`` here if it is servable. Returns (an error response to send instead
+        of running the request, or None; the affinity header, or None for unknown names)."""
+        hit = name in self.held
+        try:
+            if not (self.registered(name) or self.find_in_roots(name)):
+                return None, None  # the app answers 404, naming the model
+            await self._hold(name)
+        except LoraplexError as exc:
+            return loraplex_error_response(exc), None
+        except ServerError as exc:
+            return error_response(exc.status, str(exc), exc.param), None
+        return None, (AFFINITY_HEADER.encode(), b"hit" if hit else b"miss")
+
+    async def handle_http(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
+        """Serve one forwarded HTTP request: a ``ResponseStart``, then the body chunks."""
+        headers = [(REPLICA_HEADER.encode(), self.replica_id.encode())]
+        name = serve.get_multiplexed_model_id()
+        app: ASGIApp = self.app
+        if name:
+            error, affinity = await self._prepare(name)
+            app = error or app
+            headers += [affinity] if affinity else []
+        elif request.method == "GET" and request.path == "/v1/models" and self.roots:
+            app = await self._models_response(request)
+        async for item in call_asgi(app, request, headers):
+            yield item
+
+    async def _models_response(self, request: ForwardedRequest) -> ASGIApp:
+        """The app's ``/v1/models`` with this replica's lazily loaded adapters replaced by every
+        adapter in the roots, so the list is the same whichever replica answers."""
+        start, *chunks = [item async for item in call_asgi(self.app, request)]
+        assert isinstance(start, ResponseStart)
+        content = b"".join(c for c in chunks if isinstance(c, bytes))
+        if start.status != 200:
+            return Response(content, start.status, media_type=start.header("content-type"))
+        base, *adapters = json.loads(content)["data"]
+        cards = [base] + [card for card in adapters if card["id"] in self.startup]
+        for name, folder in self.root_adapters():
+            cards.append({"id": name, "object": "model", "created": int(folder.stat().st_mtime),
+                          "owned_by": "loraplex", "root": str(folder), "parent": base["id"]})
+        return JSONResponse({"object": "list", "data": cards})
+
+    def root_adapters(self) -> list[tuple[str, Path]]:
+        """(name, folder) of every servable adapter folder in the roots, by name; a start-up adapter
+        or an earlier root shadows a later one of the same name."""
+        found: dict[str, Path] = {}
+        for root in self.roots:
+            for entry in sorted(root.iterdir()):
+                if entry.name in self.startup or entry.name in found:
+                    continue
+                try:
+                    folder = self.find_in_roots(entry.name)
+                except ServerError:  # a symlink out of its root: not servable, not listed
+                    continue
+                if folder is not None:
+                    found[entry.name] = folder
+        return sorted(found.items())
