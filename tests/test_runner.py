@@ -15,6 +15,7 @@ from loraplex.adapters.peft_format import read_peft_adapter
 from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.errors import AdapterRankTooLarge, AdapterShapeMismatch, UnsupportedAdapter
+from loraplex.models.loader import load_model
 from tests.conftest import make_adapters
 from tests.model_harness import ShuffledBlocks, assert_logits_close, greedy, hf_logits, make_runner, random_prompts
 
@@ -50,6 +51,18 @@ def test_mixed_step_equals_separate_steps(tiny_model: Path) -> None:
     tabs = [tables[0], tables[3], tables[1], tables[2], tables[4]]
     out = mixed.execute([StepEntry((s[-1],), len(s) - 1, t) for s, t in zip(seqs, tabs, strict=True)], None)
     assert_logits_close(out, torch.stack([hf_logits(hf, s)[-1] for s in seqs]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_runs_near_hf_float32(tiny_qwen2: Path, dtype: torch.dtype) -> None:
+    """No dtype is hard-coded: a prefill + decode step in half precision stays near HF's float32 logits."""
+    model = load_model(tiny_qwen2, None, 2, 8, dtype, "cpu")
+    runner = ModelRunner(model, KVCache(model.config, 32, 4, dtype, "cpu"), 4)
+    p, q = random_prompts([9, 4], model.config.vocab_size, seed=11)
+    runner.execute([StepEntry(tuple(p[:-1]), 0, (5, 2)), StepEntry(tuple(q), 0, (7,))], None)
+    got = runner.execute([StepEntry((p[-1],), 8, (5, 2, 9))], None)
+    assert got.dtype == torch.float32
+    assert_logits_close(got[0], hf_logits(hf_model(tiny_qwen2, None), p)[-1], rel=3e-2)
 
 
 @pytest.fixture(scope="module")

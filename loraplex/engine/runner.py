@@ -40,72 +40,83 @@ def _cache_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size:
     return torch.gather(block_table, -1, positions // block_size) * block_size + positions % block_size
 
 
-def prepare_step(entries: Sequence[StepEntry], block_size: int, model_config: ModelConfig, dtype: torch.dtype,
-                 device: torch.device) -> StepInputs:
-    """Validate ``entries`` and build the step's flat inputs and attention metadata."""
-    vocab_size, kv_heads = model_config.vocab_size, model_config.num_kv_heads
+def _validate(entries: Sequence[StepEntry], block_size: int, vocab_size: int) -> list[int]:
+    """Check every entry; return the tokens of the flat batch."""
     if not entries:
         raise ValueError("a step needs at least one entry")
-    lens = [len(e.token_ids) for e in entries]
     for i, e in enumerate(entries):
-        if lens[i] == 0 or e.start_pos < 0:
-            raise ValueError(f"entry {i}: needs >= 1 token and start_pos >= 0 (got {lens[i]}, {e.start_pos})")
-        if len(e.block_table) * block_size < e.start_pos + lens[i]:
+        n = len(e.token_ids)
+        if n == 0 or e.start_pos < 0:
+            raise ValueError(f"entry {i}: needs >= 1 token and start_pos >= 0 (got {n}, {e.start_pos})")
+        if len(e.block_table) * block_size < e.start_pos + n:
             raise ValueError(f"entry {i}: {len(e.block_table)} blocks of {block_size} cannot hold "
-                             f"{e.start_pos + lens[i]} positions")
+                             f"{e.start_pos + n} positions")
     flat = list(itertools.chain.from_iterable(e.token_ids for e in entries))
     if min(flat) < 0 or max(flat) >= vocab_size:
         raise ValueError(f"token ids must lie in [0, {vocab_size})")
-    num_tokens, max_blocks = len(flat), max(len(e.block_table) for e in entries)
+    return flat
+
+
+def _decode_metadata(
+    decode: list[int], rows: list[int], tables: torch.Tensor, starts: list[int], block_size: int, kv_heads: int,
+    dtype: torch.dtype, device: torch.device,
+) -> tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows, head-major K/V gather rows and padding bias of the one-token entries ``decode``."""
+    contiguous = rows[-1] - rows[0] == len(rows) - 1
+    decode_rows = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=device)
+    ctx = torch.tensor([starts[i] + 1 for i in decode])  # [S_d] context length incl. the new token
+    j = torch.arange(max(starts[i] for i in decode) + 1)  # [max_ctx]
+    # [S_d, max_ctx]; past a sequence's length the slots are arbitrary valid ones, hidden by the bias
+    slots = _cache_slots(tables[decode], j.expand(len(decode), -1), block_size)
+    # rows of the [slots * 2 * KV, d] cache view, ordered [2 (K, V), S_d, KV, max_ctx]
+    kv_rows = (slots[None, :, None, :] * (2 * kv_heads) + torch.arange(2)[:, None, None, None] * kv_heads
+               + torch.arange(kv_heads)[None, None, :, None])
+    pad = (j[None, :] >= ctx[:, None])[:, None, None, :].expand(-1, kv_heads, 1, -1)  # [S_d, KV, 1, max_ctx]
+    bias = torch.zeros(pad.shape, dtype=dtype).masked_fill_(pad, float("-inf"))
+    return decode_rows, kv_rows.flatten().to(device), bias.view(len(decode) * kv_heads, 1, -1).to(device)
+
+
+def _prefill_span(rows: slice, start: int, table: torch.Tensor, block_size: int,
+                  device: torch.device) -> PrefillSpan:
+    """A multi-token entry; one that continues a sequence also gets its context slots and causal mask."""
+    if start == 0:
+        return PrefillSpan(rows, 0, None, None)
+    n = rows.stop - rows.start
+    j = torch.arange(start + n)  # [ctx]
+    mask = j[None, :] <= (start + torch.arange(n))[:, None]  # [n, ctx]
+    return PrefillSpan(rows, start, _cache_slots(table, j, block_size).to(device), mask.to(device))
+
+
+def prepare_step(entries: Sequence[StepEntry], block_size: int, model_config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device) -> StepInputs:
+    """Validate ``entries`` and build the step's flat inputs and attention metadata."""
+    flat = _validate(entries, block_size, model_config.vocab_size)
+    lens = [len(e.token_ids) for e in entries]
+    starts = [e.start_pos for e in entries]
     cu = list(itertools.accumulate(lens, initial=0))  # [S + 1] row offsets
+    max_blocks = max(len(e.block_table) for e in entries)
     tables = torch.tensor([list(e.block_table) + [0] * (max_blocks - len(e.block_table)) for e in entries],
                           dtype=torch.int64)  # [S, max_blocks], padded with block 0
-    starts = torch.tensor([e.start_pos for e in entries], dtype=torch.int64)  # [S]
-    lens_t = torch.tensor(lens, dtype=torch.int64)  # [S]
-    cu_t = torch.tensor(cu, dtype=torch.int64)  # [S + 1]
+    starts_t, lens_t, cu_t = (torch.tensor(x, dtype=torch.int64) for x in (starts, lens, cu))
     entry_of = torch.repeat_interleave(torch.arange(len(entries)), lens_t)  # [T]
-    positions = torch.arange(num_tokens) - cu_t[entry_of] + starts[entry_of]  # [T]
+    positions = torch.arange(len(flat)) - cu_t[entry_of] + starts_t[entry_of]  # [T]
     slot_mapping = _cache_slots(tables[entry_of], positions[:, None], block_size)[:, 0]  # [T]
 
     decode = [i for i, n in enumerate(lens) if n == 1]
     decode_rows = decode_kv_rows = decode_bias = None
     if decode:
-        rows = [cu[i] for i in decode]
-        contiguous = rows[-1] - rows[0] == len(rows) - 1
-        decode_rows = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=device)
-        idx = torch.tensor(decode, dtype=torch.int64)
-        ctx = starts[idx] + 1  # [S_d]
-        j = torch.arange(int(ctx.max()))  # [max_ctx]
-        # [S_d, max_ctx]; past a sequence's length the slots are arbitrary valid ones, hidden by the bias
-        slots = _cache_slots(tables[idx], j.expand(len(decode), -1), block_size)
-        # rows of the [slots * 2 * KV, d] cache view, ordered [2 (K, V), S_d, KV, max_ctx]
-        kv_rows = (slots[None, :, None, :] * (2 * kv_heads) + torch.arange(2)[:, None, None, None] * kv_heads
-                   + torch.arange(kv_heads)[None, None, :, None])
-        decode_kv_rows = kv_rows.flatten().to(device)
-        pad = (j[None, :] >= ctx[:, None])[:, None, None, :].expand(-1, kv_heads, 1, -1)  # [S_d, KV, 1, max_ctx]
-        decode_bias = torch.zeros(pad.shape, dtype=dtype).masked_fill_(pad, float("-inf"))
-        decode_bias = decode_bias.view(len(decode) * kv_heads, 1, -1).to(device)
-    prefills = []
-    for i, n in enumerate(lens):
-        if n == 1:
-            continue
-        start = entries[i].start_pos
-        span = PrefillSpan(slice(cu[i], cu[i + 1]), start, None, None)
-        if start > 0:
-            j = torch.arange(start + n)  # [ctx]
-            span = PrefillSpan(
-                span.rows, start, _cache_slots(tables[i], j, block_size).to(device),
-                (j[None, :] <= (start + torch.arange(n))[:, None]).to(device),  # [n, ctx]
-            )
-        prefills.append(span)
+        decode_rows, decode_kv_rows, decode_bias = _decode_metadata(
+            decode, [cu[i] for i in decode], tables, starts, block_size, model_config.num_kv_heads, dtype, device)
+    prefills = tuple(_prefill_span(slice(cu[i], cu[i + 1]), starts[i], tables[i], block_size, device)
+                     for i, n in enumerate(lens) if n > 1)
     attn = AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
-        seq_lens=(starts + lens_t)[entry_of].to(device),
+        seq_lens=(starts_t + lens_t)[entry_of].to(device),
         decode_rows=decode_rows,
         decode_kv_rows=decode_kv_rows,
         decode_bias=decode_bias,
-        prefills=tuple(prefills),
-        num_tokens=num_tokens,
+        prefills=prefills,
+        num_tokens=len(flat),
     )
     return StepInputs(
         input_ids=torch.tensor(flat, dtype=torch.int64).to(device),
