@@ -1,0 +1,93 @@
+"""Decode-step overhead: one batch-32 decode step through ``ModelRunner.execute`` vs its bare matmuls.
+
+The floor is a loop of ``F.linear`` over the model's own (packed) weights for the same 32 tokens,
+plus the lm_head: everything else the step does (embedding, norms, rotary, KV writes and gathers,
+attention, metadata) is overhead. Both are timed interleaved in one run (this host drifts 20-50 %
+between runs). Prints a table; ``--out PATH`` writes JSON (``decode_step_ms``, ``gemm_floor_ms``).
+
+    .venv/bin/python benchmarks/decode_step.py [--batch 32] [--context 100] [--iters 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.engine.kv_cache import BlockAllocator, KVCache
+from loraplex.engine.runner import ModelRunner, StepEntry
+from loraplex.models.embedded import embedded_checkpoint
+from loraplex.models.loader import load_model
+
+
+def gemm_floor(model: torch.nn.Module, batch: int) -> None:
+    """The step's matmuls alone: every packed projection of every layer, then the lm_head."""
+    cfg = model.config
+    x = torch.randn(batch, cfg.hidden_size)
+    attn_out = torch.randn(batch, cfg.num_heads * cfg.head_dim)
+    act = torch.randn(batch, cfg.intermediate_size)
+    for layer in model.layers:
+        F.linear(x, layer.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.bias)
+        F.linear(attn_out, layer.self_attn.o_proj.weight)
+        F.linear(x, layer.mlp.gate_up_proj.weight)
+        F.linear(act, layer.mlp.down_proj.weight)
+    F.linear(x, model.lm_head_weight)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=100)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = load_model(embedded_checkpoint(), None, 4, 16, torch.float32, "cpu")
+    cfg, block_size = model.config, 16
+    blocks_per_seq = (args.context + 10 + block_size) // block_size
+    kv = KVCache(cfg, args.batch * blocks_per_seq, block_size, torch.float32, "cpu")
+    for t in kv.k + kv.v:
+        t.normal_()  # timing only: the cache content does not matter
+    allocator = BlockAllocator(kv.num_blocks)
+    tables = [tuple(allocator.allocate(blocks_per_seq)) for _ in range(args.batch)]
+    starts = torch.randint(args.context - 10, args.context + 10, (args.batch,)).tolist()
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch,)).tolist()
+    entries = [StepEntry((tok,), s, t) for tok, s, t in zip(tokens, starts, tables, strict=True)]
+    runner = ModelRunner(model, kv, block_size)
+    step_ms, floor_ms = [], []
+    with torch.inference_mode():
+        for i in range(args.iters + 2):
+            t0 = time.perf_counter()
+            runner.execute(entries, None)
+            t1 = time.perf_counter()
+            gemm_floor(model, args.batch)
+            t2 = time.perf_counter()
+            if i >= 2:  # warm-up
+                step_ms.append((t1 - t0) * 1e3)
+                floor_ms.append((t2 - t1) * 1e3)
+    result = {
+        "batch": args.batch,
+        "context": args.context,
+        "threads": args.threads,
+        "decode_step_ms": statistics.median(step_ms),
+        "gemm_floor_ms": statistics.median(floor_ms),
+    }
+    result["ratio"] = result["decode_step_ms"] / result["gemm_floor_ms"]
+    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} threads")
+    print(f"{'batch':>5} {'context':>7} {'decode_step_ms':>14} {'gemm_floor_ms':>13} {'ratio':>6}")
+    print(f"{args.batch:>5} {args.context:>7} {result['decode_step_ms']:>14.1f} "
+          f"{result['gemm_floor_ms']:>13.1f} {result['ratio']:>6.3f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
