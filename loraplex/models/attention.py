@@ -48,6 +48,23 @@ class AttentionMetadata:
         return not self.prefills and isinstance(self.decode_rows, slice)
 
 
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata,
+                      kv_heads: int) -> torch.Tensor:
+    """One-token entries: ``q [S_d, H, d]`` -> ``[S_d, H, d]``.
+
+    Semantics, per sequence s and K/V head k with query heads ``g = k*G .. k*G+G-1``:
+    ``scores = q[s, g] @ K[s, k]^T / sqrt(d) + bias[s, k]``, ``out[s, g] = softmax(scores) @ V[s, k]``,
+    with K/V ``[max_ctx, d]`` gathered by ``attn.decode_kv_rows``.
+    """
+    s_d, heads, d = q.shape
+    max_ctx = attn.decode_bias.shape[-1]
+    kv = kv_cache.view(-1, d).index_select(0, attn.decode_kv_rows).view(2, s_d * kv_heads, max_ctx, d)
+    scores = torch.baddbmm(  # [S_d * KV, G, max_ctx]
+        attn.decode_bias, q.reshape(s_d * kv_heads, heads // kv_heads, d), kv[0].transpose(1, 2), alpha=d**-0.5
+    )
+    return torch.bmm(scores.softmax(-1), kv[1]).view(s_d, heads, d)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -70,13 +87,7 @@ def paged_attention(
     decoded = None
     if attn.decode_rows is not None:
         q_d = q[attn.decode_rows] if isinstance(attn.decode_rows, slice) else q.index_select(0, attn.decode_rows)
-        s_d, max_ctx = q_d.shape[0], attn.decode_bias.shape[-1]
-        kv_d = kv_cache.view(-1, d).index_select(0, attn.decode_kv_rows).view(2, s_d * kv_heads, max_ctx, d)
-        scores = torch.baddbmm(  # [S_d * KV, G, max_ctx]
-            attn.decode_bias, q_d.reshape(s_d * kv_heads, heads // kv_heads, d), kv_d[0].transpose(1, 2),
-            alpha=d**-0.5,
-        )
-        decoded = torch.bmm(scores.softmax(-1), kv_d[1]).view(s_d, heads, d)
+        decoded = _decode_attention(q_d, kv_cache, attn, kv_heads)
         if attn.all_decode:
             return decoded
     out = q.new_empty(t, heads, d)  # [T, H, d]
