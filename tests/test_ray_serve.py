@@ -51,6 +51,8 @@ AFFINE = "r4_attn_copy"  # also in the root; only the affinity test uses it
 DROPPED = "r16_mlp_copy"  # also in the root; only the disconnect test uses it
 ENGINE = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=8)
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
+API_KEY = "ray-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @dataclass
@@ -60,7 +62,13 @@ class Deployment:
     startup_s: float
 
     def client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=AUTH, timeout=60)
+
+    def async_http(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, headers=AUTH, timeout=60)
 
 
 def free_port() -> int:
@@ -80,7 +88,7 @@ def deployment(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
     config = RayServeConfig(
         engine=EngineConfig(model=str(tiny_llama), **ENGINE), replicas=2,
         adapters=((STARTUP, str(tiny_llama_adapters[STARTUP])),), adapter_roots=(str(root),),
-        served_model_name=BASE, num_cpus_per_replica=0.5, torch_threads=1, port=free_port(),
+        served_model_name=BASE, api_key=API_KEY, num_cpus_per_replica=0.5, torch_threads=1, port=free_port(),
     )
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
@@ -135,8 +143,21 @@ def test_config_rejects_bad_values(tmp_path: Path) -> None:
 
 def test_models_lists_base_startup_and_root_adapters(deployment: Deployment) -> None:
     for _ in range(4):  # whichever replica answers, the same list
-        ids = [card["id"] for card in httpx.get(f"{deployment.url}/v1/models", timeout=30).json()["data"]]
+        ids = [card["id"] for card in deployment.http().get("/v1/models").json()["data"]]
         assert ids == [BASE, STARTUP, *sorted((*LAZY, AFFINE, DROPPED))]
+
+
+def test_api_key_is_checked_at_the_ingress(deployment: Deployment) -> None:
+    body = {"model": BASE, "prompt": "Hi", "max_tokens": 1}
+    denied = httpx.post(f"{deployment.url}/v1/completions", json=body, timeout=60)
+    assert denied.status_code == 401 and "API key" in denied.json()["error"]["message"]
+    assert httpx.get(f"{deployment.url}/health", timeout=60).json() == {"status": "ok"}
+    assert deployment.http().post("/v1/completions", json=body).status_code == 200
+
+
+def test_runtime_loading_endpoints_explain_lazy_loading(deployment: Deployment) -> None:
+    r = deployment.http().post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"})
+    assert r.status_code == 403 and "<adapter root>/NAME" in r.json()["error"]["message"]
 
 
 def test_outputs_equal_single_engine(deployment: Deployment, offline: LLM) -> None:
@@ -173,8 +194,8 @@ def test_outputs_equal_single_engine(deployment: Deployment, offline: LLM) -> No
 
 def test_repeated_requests_stay_on_the_replica_holding_the_adapter(deployment: Deployment) -> None:
     def once(model: str) -> httpx.Response:
-        r = httpx.post(f"{deployment.url}/v1/completions", timeout=30,
-                       json={"model": model, "prompt": "Hello", "max_tokens": 2, "temperature": 0})
+        r = deployment.http().post("/v1/completions",
+                                   json={"model": model, "prompt": "Hello", "max_tokens": 2, "temperature": 0})
         assert r.status_code == 200, r.text
         return r
 
@@ -206,9 +227,8 @@ def replica_metrics(adapter: str) -> tuple[str, dict[tuple[str, str], float]]:
 
 def test_disconnected_client_aborts_its_request(deployment: Deployment) -> None:
     model = DROPPED
-    with httpx.stream("POST", f"{deployment.url}/v1/completions", timeout=30,
-                      json={"model": model, "prompt": "Count:", "max_tokens": 400, "ignore_eos": True,
-                            "stream": True}) as r:
+    body = {"model": model, "prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with deployment.http().stream("POST", "/v1/completions", json=body) as r:
         home = r.headers[REPLICA_HEADER]
         lines = r.iter_lines()
         assert next(lines).startswith("data:")
@@ -247,7 +267,7 @@ def test_replica_failure_is_survived(deployment: Deployment, offline: LLM) -> No
         return r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
 
     async def drill() -> tuple[str, list[tuple[str, str]], list[tuple[int, str]]]:
-        async with httpx.AsyncClient(base_url=deployment.url, timeout=60) as client:
+        async with deployment.async_http() as client:
             started, live = asyncio.Event(), []
             streams = [asyncio.ensure_future(stream(client, m, live, started)) for m in streamed]
             wholes = [asyncio.ensure_future(complete(client, m)) for m in whole]
@@ -267,8 +287,8 @@ def test_replica_failure_is_survived(deployment: Deployment, offline: LLM) -> No
         assert time.monotonic() < deadline, f"Serve did not restart {victim}: {sorted(actors)}"
         time.sleep(0.5)
     for model in (BASE, LAZY[0], LAZY[2]):
-        r = httpx.post(f"{deployment.url}/v1/completions", timeout=60,
-                       json={"model": model, "prompt": "after", "max_tokens": 3, "temperature": 0})
+        r = deployment.http().post("/v1/completions",
+                                   json={"model": model, "prompt": "after", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.headers[REPLICA_HEADER] != victim
 
 

@@ -22,7 +22,7 @@ from ray import serve
 from starlette.types import ASGIApp
 
 from loraplex.engine.engine import Engine
-from loraplex.errors import AdapterAlreadyLoaded, LoraplexError
+from loraplex.errors import AdapterAlreadyLoaded, AdapterNotFound, LoraplexError
 from loraplex.integrations.asgi_bridge import ForwardedRequest, Header, ResponseStart, call_asgi
 from loraplex.integrations.ray_config import AFFINITY_HEADER, REPLICA_HEADER, RayServeConfig
 from loraplex.server.access import AdapterPathPolicy
@@ -74,6 +74,11 @@ class EngineReplica:
     def __del__(self) -> None:
         self.async_engine.shutdown()
 
+    def check_health(self) -> None:
+        """Serve's periodic health check: a replica whose step loop died is restarted."""
+        if not self.async_engine.running:
+            raise RuntimeError(f"replica {self.replica_id}: the engine's step loop is not running")
+
     def registered(self, name: str) -> bool:
         return any(info.name == name for info in self.engine.list_adapters())
 
@@ -93,7 +98,7 @@ class EngineReplica:
         if not self.registered(name):
             folder = self.find_in_roots(name)
             if folder is None:
-                raise LookupError(f"adapter {name!r} vanished from the adapter roots")
+                raise AdapterNotFound(f"adapter {name!r} is no longer in the adapter roots")
             try:
                 await self.async_engine.load_adapter(name, str(folder))
                 logger.info("replica %s loaded adapter %r from %s", self.replica_id, name, folder)

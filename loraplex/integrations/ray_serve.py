@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import ray
 from ray import serve
@@ -54,7 +55,7 @@ def build_application(config: RayServeConfig) -> Application:
         name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
         ray_actor_options={"num_cpus": 0},
     )(Ingress)
-    return ingress.bind(engine.bind(config), config)
+    return ingress.bind(engine.bind(replace(config, api_key=None)), config)  # the key stays at the ingress
 
 
 def deploy(config: RayServeConfig) -> str:
