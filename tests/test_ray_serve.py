@@ -39,7 +39,6 @@ from loraplex.integrations.ray_config import (
     RayServeConfig,
 )
 from loraplex.integrations.ray_ingress import routing_key
-from loraplex.server.protocol import ChatCompletionRequest
 
 pytestmark = pytest.mark.ray
 logger = logging.getLogger(__name__)
@@ -164,7 +163,8 @@ def test_outputs_equal_single_engine(deployment: Deployment, offline: LLM) -> No
     """Every model, completions (whole and streamed) and chat, sent concurrently."""
     models = [BASE, STARTUP, *LAZY]
     prompts = {m: f"Request for {m}: the weather today is" for m in models}
-    chat_ids = ChatCompletionRequest.model_validate({"model": BASE, "messages": MESSAGES}).prompt_ids(offline.tokenizer)
+    chat_ids = list(offline.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                                          return_dict=True)["input_ids"])
 
     async def complete(client: openai.AsyncOpenAI, model: str) -> str:
         out = await client.completions.create(model=model, prompt=prompts[model], max_tokens=12, temperature=0,
