@@ -53,7 +53,7 @@ def main() -> None:
     cfg, block_size = model.config, 16
     blocks_per_seq = (args.context + 10 + block_size) // block_size
     kv = KVCache(cfg, args.batch * blocks_per_seq, block_size, torch.float32, "cpu")
-    for t in kv.k + kv.v:
+    for t in kv.kv:
         t.normal_()  # timing only: the cache content does not matter
     allocator = BlockAllocator(kv.num_blocks)
     tables = [tuple(allocator.allocate(blocks_per_seq)) for _ in range(args.batch)]

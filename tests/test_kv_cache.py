@@ -77,9 +77,9 @@ def test_allocator_matches_a_set_model(ops: list[tuple[bool, int]]) -> None:
 def test_cache_layout_and_size() -> None:
     cfg = ModelConfig.from_hf(tiny_config("llama").to_dict())
     kv = KVCache(cfg, num_blocks=6, block_size=4, dtype=torch.float32, device="cpu")
-    assert len(kv.k) == len(kv.v) == cfg.num_layers
-    for t in kv.k + kv.v:
-        assert t.shape == (24, cfg.num_kv_heads, cfg.head_dim) and t.dtype == torch.float32
+    assert len(kv.kv) == cfg.num_layers
+    for t in kv.kv:
+        assert t.shape == (6, 2, cfg.num_kv_heads, 4, cfg.head_dim) and t.dtype == torch.float32
     per_block = KVCache.bytes_per_block(cfg, 4, torch.float32)
     assert per_block * 6 == kv.nbytes
     assert per_block == 2 * cfg.num_layers * 4 * cfg.num_kv_heads * cfg.head_dim * 4

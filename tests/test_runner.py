@@ -40,17 +40,20 @@ def test_paged_attention_matches_float64_loop() -> None:
     step = prepare_step(entries, bs, cfg, torch.float32, torch.device("cpu"))
     t = step.attn.num_tokens
     q, k, v = (torch.randn(t, n, d, generator=g) for n in (heads, kv_heads, kv_heads))
-    cache = torch.randn(12 * bs, 2, kv_heads, d, generator=g)
+    cache = torch.randn(12, 2, kv_heads, bs, d, generator=g)  # [blocks, K/V, KV, block_size, d]
+    at = [(e.block_table[p // bs], p % bs) for e in entries for p in range(e.start_pos, e.start_pos + len(e.token_ids))]
     expect_cache = cache.clone()
-    expect_cache[step.attn.slot_mapping, 0], expect_cache[step.attn.slot_mapping, 1] = k, v
+    for row, (b, o) in enumerate(at):
+        expect_cache[b, 0, :, o], expect_cache[b, 1, :, o] = k[row], v[row]
     out = paged_attention(q, k, v, cache, step.attn)
     assert torch.equal(cache, expect_cache)
     row = 0
     for e in entries:
         for i in range(len(e.token_ids)):
             pos = e.start_pos + i
-            slots = [e.block_table[p // bs] * bs + p % bs for p in range(pos + 1)]
-            keys, vals = cache[slots, 0].double(), cache[slots, 1].double()  # [ctx, KV, d]
+            blocks = [(e.block_table[p // bs], p % bs) for p in range(pos + 1)]
+            keys = torch.stack([cache[b, 0, :, o] for b, o in blocks]).double()  # [ctx, KV, d]
+            vals = torch.stack([cache[b, 1, :, o] for b, o in blocks]).double()
             for h in range(heads):
                 w = torch.softmax(keys[:, h // 3] @ q[row, h].double() / d**0.5, 0)
                 torch.testing.assert_close(out[row, h].double(), w @ vals[:, h // 3], rtol=0, atol=1e-5)

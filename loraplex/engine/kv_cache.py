@@ -1,8 +1,8 @@
 """Paged KV cache: fixed-size blocks of token slots, handed out by an ask-then-do allocator.
 
 A sequence owns a *block table* (a list of physical block numbers); the K/V of its token at
-position ``p`` live at flat slot ``block_table[p // block_size] * block_size + p % block_size``
-of every layer's cache tensor. Blocks need not be contiguous or ordered.
+position ``p`` live in block ``block_table[p // block_size]`` at offset ``p % block_size`` of every
+layer's cache tensor. Blocks need not be contiguous or ordered.
 """
 
 from __future__ import annotations
@@ -64,11 +64,11 @@ class BlockAllocator:
 
 
 class KVCache:
-    """Per-layer K and V tensors ``[num_blocks * block_size, num_kv_heads, head_dim]``.
+    """One tensor per layer: ``kv[layer]`` ``[num_blocks, 2, num_kv_heads, block_size, head_dim]``.
 
-    Each layer stores K and V interleaved per slot in one tensor ``kv[layer]`` of shape
-    ``[num_blocks * block_size, 2, num_kv_heads, head_dim]`` so attention gathers both with one
-    index op; ``k[layer]`` and ``v[layer]`` are (strided) views of it.
+    Index 0/1 of dim 1 is K/V. Within a block each K/V head's positions are contiguous
+    (``block_size * head_dim`` values), so attention gathers a sequence's context head-major with
+    a few large rows per block instead of one small row per token.
     """
 
     def __init__(
@@ -83,10 +83,8 @@ class KVCache:
             raise ValueError(f"KVCache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks * block_size, 2, model_config.num_kv_heads, model_config.head_dim)
+        shape = (num_blocks, 2, model_config.num_kv_heads, block_size, model_config.head_dim)
         self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_layers)]
-        self.k = [t[:, 0] for t in self.kv]  # [slots, KV, d] views
-        self.v = [t[:, 1] for t in self.kv]
 
     @staticmethod
     def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -35,9 +35,11 @@ class StepInputs:
     attn: AttentionMetadata
 
 
-def _cache_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Flat cache slot of each position: ``block_table[..., p // bs] * bs + p % bs`` (broadcasting)."""
-    return torch.gather(block_table, -1, positions // block_size) * block_size + positions % block_size
+def _block_rows(tables: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Block rows of each (K/V, head, block): ``tables [..., n]`` -> ``[2, ..., KV, n]`` with
+    ``row = (block * 2 + kv) * KV + head`` (the cache viewed as ``[blocks * 2 * KV, block_size * d]``)."""
+    base = tables.unsqueeze(-2) * 2  # [..., 1, n]
+    return torch.stack((base, base + 1)) * kv_heads + torch.arange(kv_heads)[:, None]
 
 
 def _validate(entries: Sequence[StepEntry], block_size: int, vocab_size: int) -> list[int]:
@@ -61,30 +63,28 @@ def _decode_metadata(
     decode: list[int], rows: list[int], tables: torch.Tensor, starts: list[int], block_size: int, kv_heads: int,
     dtype: torch.dtype, device: torch.device,
 ) -> tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows, head-major K/V gather rows and padding bias of the one-token entries ``decode``."""
+    """Rows, K/V block rows and padding bias of the one-token entries ``decode``."""
     contiguous = rows[-1] - rows[0] == len(rows) - 1
     decode_rows = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=device)
     ctx = torch.tensor([starts[i] + 1 for i in decode])  # [S_d] context length incl. the new token
-    j = torch.arange(max(starts[i] for i in decode) + 1)  # [max_ctx]
-    # [S_d, max_ctx]; past a sequence's length the slots are arbitrary valid ones, hidden by the bias
-    slots = _cache_slots(tables[decode], j.expand(len(decode), -1), block_size)
-    # rows of the [slots * 2 * KV, d] cache view, ordered [2 (K, V), S_d, KV, max_ctx]
-    kv_rows = (slots[None, :, None, :] * (2 * kv_heads) + torch.arange(2)[:, None, None, None] * kv_heads
-               + torch.arange(kv_heads)[None, None, :, None])
+    num_blocks = -(-int(ctx.max()) // block_size)
+    kv_rows = _block_rows(tables[decode, :num_blocks], kv_heads)  # [2, S_d, KV, blocks]
+    j = torch.arange(num_blocks * block_size)  # [max_ctx] gathered positions
     pad = (j[None, :] >= ctx[:, None])[:, None, None, :].expand(-1, kv_heads, 1, -1)  # [S_d, KV, 1, max_ctx]
     bias = torch.zeros(pad.shape, dtype=dtype).masked_fill_(pad, float("-inf"))
     return decode_rows, kv_rows.flatten().to(device), bias.view(len(decode) * kv_heads, 1, -1).to(device)
 
 
-def _prefill_span(rows: slice, start: int, table: torch.Tensor, block_size: int,
+def _prefill_span(rows: slice, start: int, table: torch.Tensor, block_size: int, kv_heads: int,
                   device: torch.device) -> PrefillSpan:
-    """A multi-token entry; one that continues a sequence also gets its context slots and causal mask."""
+    """A multi-token entry; one that continues a sequence also gets its context rows and causal mask."""
     if start == 0:
         return PrefillSpan(rows, 0, None, None)
     n = rows.stop - rows.start
-    j = torch.arange(start + n)  # [ctx]
-    mask = j[None, :] <= (start + torch.arange(n))[:, None]  # [n, ctx]
-    return PrefillSpan(rows, start, _cache_slots(table, j, block_size).to(device), mask.to(device))
+    ctx = start + n
+    context_rows = _block_rows(table[: -(-ctx // block_size)], kv_heads).flatten()  # [2 * KV * blocks]
+    mask = torch.arange(ctx)[None, :] <= (start + torch.arange(n))[:, None]  # [n, ctx]
+    return PrefillSpan(rows, start, context_rows.to(device), mask.to(device))
 
 
 def prepare_step(entries: Sequence[StepEntry], block_size: int, model_config: ModelConfig, dtype: torch.dtype,
@@ -100,17 +100,20 @@ def prepare_step(entries: Sequence[StepEntry], block_size: int, model_config: Mo
     starts_t, lens_t, cu_t = (torch.tensor(x, dtype=torch.int64) for x in (starts, lens, cu))
     entry_of = torch.repeat_interleave(torch.arange(len(entries)), lens_t)  # [T]
     positions = torch.arange(len(flat)) - cu_t[entry_of] + starts_t[entry_of]  # [T]
-    slot_mapping = _cache_slots(tables[entry_of], positions[:, None], block_size)[:, 0]  # [T]
+    kv_heads = model_config.num_kv_heads
+    blocks = tables[entry_of, positions // block_size]  # [T]
+    # token rows of the cache viewed as [blocks * 2 * KV * block_size, d], ordered [2, T, KV]
+    write_rows = _block_rows(blocks[:, None], kv_heads)[..., 0] * block_size + (positions % block_size)[:, None]
 
     decode = [i for i, n in enumerate(lens) if n == 1]
     decode_rows = decode_kv_rows = decode_bias = None
     if decode:
         decode_rows, decode_kv_rows, decode_bias = _decode_metadata(
-            decode, [cu[i] for i in decode], tables, starts, block_size, model_config.num_kv_heads, dtype, device)
-    prefills = tuple(_prefill_span(slice(cu[i], cu[i + 1]), starts[i], tables[i], block_size, device)
+            decode, [cu[i] for i in decode], tables, starts, block_size, kv_heads, dtype, device)
+    prefills = tuple(_prefill_span(slice(cu[i], cu[i + 1]), starts[i], tables[i], block_size, kv_heads, device)
                      for i, n in enumerate(lens) if n > 1)
     attn = AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
+        write_rows=write_rows.flatten().to(device),
         seq_lens=(starts_t + lens_t)[entry_of].to(device),
         decode_rows=decode_rows,
         decode_kv_rows=decode_kv_rows,

@@ -1,13 +1,17 @@
 """Attention over a flat ragged batch and a paged KV cache.
 
+The cache of a layer is ``[num_blocks, 2 (K, V), KV, block_size, d]``; row indices below refer to
+two flat views of it: *token rows* ``[num_blocks * 2 * KV * block_size, d]`` (one position of one
+head) and *block rows* ``[num_blocks * 2 * KV, block_size * d]`` (one head's whole block).
+
 The runner builds one ``AttentionMetadata`` per step; every layer reuses it. Entries that compute
 one token (decodes, and one-token prompts) are batched into one attention per layer: a single
-index op gathers every such sequence's K and V, head-major, through a padded row index
-``[2, S_d, KV, max_ctx]`` into the layer's cache, then two batched GEMMs do GQA attention with the
-G = H / KV query heads of a K/V head as the rows of one small GEMM (each K/V row is read once) and
-an additive 0/-inf bias hides the padding. Entries with several tokens (prefills or prefill chunks)
-each get their own causal SDPA call: a fresh prompt (start 0) attends to its own new K/V directly,
-a chunk that continues a sequence gathers its context from the cache with an offset causal mask.
+index op gathers every such sequence's K and V block rows, already head-major, padded to the
+longest context, then two batched GEMMs do GQA attention with the G = H / KV query heads of a
+K/V head as the rows of one small GEMM (each K/V row is read once); an additive 0/-inf bias hides
+the padding. Entries with several tokens (prefills or prefill chunks) each get their own causal
+SDPA call: a fresh prompt (start 0) attends to its own new K/V directly, a chunk that continues a
+sequence gathers its context's block rows with an offset causal mask.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ class PrefillSpan:
 
     rows: slice
     start_pos: int
-    context_slots: torch.Tensor | None  # [ctx] int64 cache slots of positions [0, ctx); None if start 0
+    context_rows: torch.Tensor | None  # [2 * KV * blocks] block rows, ordered (K/V, head, block); None if start 0
     mask: torch.Tensor | None  # [n, ctx] bool, True = attend (key pos <= query pos); None if start 0
 
 
@@ -32,13 +36,13 @@ class PrefillSpan:
 class AttentionMetadata:
     """Everything attention needs for one step, shared by all layers."""
 
-    slot_mapping: torch.Tensor  # [T] int64 flat cache slot each new token's K/V is written to
+    write_rows: torch.Tensor  # [2 * T * KV] token rows the new K/V go to, ordered (K/V, token, head)
     seq_lens: torch.Tensor  # [T] int64 length of the token's sequence after this step
     decode_rows: slice | torch.Tensor | None  # rows of the S_d one-token entries (slice if contiguous)
-    # [2 * S_d * KV * max_ctx] int64 rows of the layer cache viewed as [slots * 2 * KV, d], in the
-    # order (K or V, sequence, K/V head, context position); padding points at arbitrary valid rows
+    # [2 * S_d * KV * max_blocks] block rows, ordered (K/V, sequence, head, block); padding blocks are
+    # arbitrary valid ones
     decode_kv_rows: torch.Tensor | None
-    decode_bias: torch.Tensor | None  # [S_d * KV, 1, max_ctx] 0 for real context, -inf for padding
+    decode_bias: torch.Tensor | None  # [S_d * KV, 1, max_blocks * block_size] 0 = context, -inf = padding
     prefills: tuple[PrefillSpan, ...]
     num_tokens: int
 
@@ -48,21 +52,29 @@ class AttentionMetadata:
         return not self.prefills and isinstance(self.decode_rows, slice)
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata,
-                      kv_heads: int) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
     """One-token entries: ``q [S_d, H, d]`` -> ``[S_d, H, d]``.
 
     Semantics, per sequence s and K/V head k with query heads ``g = k*G .. k*G+G-1``:
     ``scores = q[s, g] @ K[s, k]^T / sqrt(d) + bias[s, k]``, ``out[s, g] = softmax(scores) @ V[s, k]``,
-    with K/V ``[max_ctx, d]`` gathered by ``attn.decode_kv_rows``.
+    with K/V ``[max_blocks * block_size, d]`` gathered by ``attn.decode_kv_rows``.
     """
     s_d, heads, d = q.shape
-    max_ctx = attn.decode_bias.shape[-1]
-    kv = kv_cache.view(-1, d).index_select(0, attn.decode_kv_rows).view(2, s_d * kv_heads, max_ctx, d)
+    kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
+    kv = kv_cache.view(-1, block_size * d).index_select(0, attn.decode_kv_rows).view(2, s_d * kv_heads, -1, d)
     scores = torch.baddbmm(  # [S_d * KV, G, max_ctx]
         attn.decode_bias, q.reshape(s_d * kv_heads, heads // kv_heads, d), kv[0].transpose(1, 2), alpha=d**-0.5
     )
     return torch.bmm(scores.softmax(-1), kv[1]).view(s_d, heads, d)
+
+
+def _context_attention(q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
+    """A chunk continuing a sequence: ``q [1, H, n, d]`` attends to its cached context causally."""
+    kv_heads, block_size, d = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+    ctx = span.mask.shape[1]
+    kv = kv_cache.view(-1, block_size * d).index_select(0, span.context_rows).view(2, 1, kv_heads, -1, d)
+    return F.scaled_dot_product_attention(q, kv[0, :, :, :ctx], kv[1, :, :, :ctx], attn_mask=span.mask,
+                                          enable_gqa=True)
 
 
 def paged_attention(
@@ -74,20 +86,18 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend.
 
-    Semantics: ``kv_cache[slot_mapping[t], 0] = k[t]``, ``kv_cache[slot_mapping[t], 1] = v[t]``; then
-    for each token t of a sequence, ``out[t, h] = softmax(q[t, h] . K_ctx^T / sqrt(d)) V_ctx`` over the
-    sequence's keys at positions ``<= pos(t)``, K/V head ``h // (H / KV)`` (GQA).
-    Shapes: q ``[T, H, d]``, k/v ``[T, KV, d]``, kv_cache ``[slots, 2, KV, d]`` (changed in place)
-    -> ``[T, H, d]``.
+    Semantics: ``cache_token_rows[write_rows] = stack(k, v)``; then for each token t of a sequence,
+    ``out[t, h] = softmax(q[t, h] . K_ctx^T / sqrt(d)) V_ctx`` over the sequence's keys at positions
+    ``<= pos(t)``, K/V head ``h // (H / KV)`` (GQA).
+    Shapes: q ``[T, H, d]``, k/v ``[T, KV, d]``, kv_cache ``[blocks, 2, KV, block_size, d]`` (changed in
+    place) -> ``[T, H, d]``.
     """
     t, heads, d = q.shape
-    kv_heads = k.shape[1]
-    kv_cache[:, 0].index_copy_(0, attn.slot_mapping, k)
-    kv_cache[:, 1].index_copy_(0, attn.slot_mapping, v)
+    kv_cache.view(-1, d).index_copy_(0, attn.write_rows, torch.stack((k, v)).view(-1, d))
     decoded = None
     if attn.decode_rows is not None:
         q_d = q[attn.decode_rows] if isinstance(attn.decode_rows, slice) else q.index_select(0, attn.decode_rows)
-        decoded = _decode_attention(q_d, kv_cache, attn, kv_heads)
+        decoded = _decode_attention(q_d, kv_cache, attn)
         if attn.all_decode:
             return decoded
     out = q.new_empty(t, heads, d)  # [T, H, d]
@@ -98,14 +108,11 @@ def paged_attention(
             out.index_copy_(0, attn.decode_rows, decoded)
     for span in attn.prefills:
         q_p = q[span.rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-        if span.context_slots is None:
+        if span.context_rows is None:
             k_p = k[span.rows].transpose(0, 1).unsqueeze(0)  # [1, KV, n, d]
             v_p = v[span.rows].transpose(0, 1).unsqueeze(0)
             o_p = F.scaled_dot_product_attention(q_p, k_p, v_p, is_causal=True, enable_gqa=True)
         else:
-            ctx = kv_cache.index_select(0, span.context_slots)  # [ctx, 2, KV, d]
-            k_p = ctx[:, 0].transpose(0, 1).unsqueeze(0)  # [1, KV, ctx, d]
-            v_p = ctx[:, 1].transpose(0, 1).unsqueeze(0)
-            o_p = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=span.mask, enable_gqa=True)
+            o_p = _context_attention(q_p, kv_cache, span)
         out[span.rows] = o_p[0].transpose(0, 1)
     return out

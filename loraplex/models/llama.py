@@ -125,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         """Run a flat ragged batch; return float32 logits ``[S, vocab]`` of the rows ``logits_rows [S]``.
 
         ``input_ids [T]`` and ``positions [T]`` (int64) list every entry's tokens back to back; the new
-        K/V are written into ``kv`` at ``attn.slot_mapping``; ``lora`` (token order = flat order) is
+        K/V are written into ``kv`` at ``attn.write_rows``; ``lora`` (token order = flat order) is
         passed to every adapted projection.
         """
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
