@@ -22,6 +22,8 @@ from loraplex.models.attention import AttentionMetadata, PrefillSpan
 
 @dataclass(frozen=True)
 class StepEntry:
+    """One sequence's work in a step."""
+
     token_ids: tuple[int, ...]  # tokens computed this step (a prompt chunk, or one decode token)
     start_pos: int  # position of token_ids[0]
     block_table: tuple[int, ...]  # physical blocks covering positions [0, start_pos + len(token_ids))
@@ -29,6 +31,8 @@ class StepEntry:
 
 @dataclass(frozen=True)
 class StepInputs:
+    """The model's inputs for one step, built by ``prepare_step``."""
+
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     logits_rows: torch.Tensor  # [S] int64 row of each entry's last token

@@ -8,6 +8,7 @@ slot (and every other slot) exactly as it was.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 import torch
@@ -18,11 +19,13 @@ from loraplex.errors import AdapterRankTooLarge, AdapterShapeMismatch, Unsupport
 Pair = tuple[torch.Tensor, torch.Tensor]
 
 
-class _HasModules(Protocol):
-    modules: dict[tuple[int, str], Pair]
+class AdapterModules(Protocol):
+    """What ``set_slot`` reads of an ``AdapterWeights``."""
+
+    modules: Mapping[tuple[int, str], Pair]
 
 
-def group_by_layer(model, weights: _HasModules) -> list[list[dict[str, Pair]]]:
+def group_by_layer(model, weights: AdapterModules) -> list[list[dict[str, Pair]]]:
     """Validate ``weights`` against ``model`` and return ``[layer][packed_index] -> {proj: (A, B)}``
     in the order of ``LlamaDecoderLayer.adapted()``."""
     cfg = model.config
@@ -51,7 +54,7 @@ def group_by_layer(model, weights: _HasModules) -> list[list[dict[str, Pair]]]:
     return grouped
 
 
-def write_adapter_slot(model, slot: int, weights: _HasModules) -> None:
+def write_adapter_slot(model, slot: int, weights: AdapterModules) -> None:
     """Validate, then write ``weights`` into ``slot`` of every adapted layer (untargeted ones zeroed)."""
     if not 0 <= slot < model.max_loras:
         raise IndexError(f"slot {slot} out of range [0, {model.max_loras})")

@@ -18,7 +18,7 @@ from loraplex.adapters.batch_indices import LoRABatch
 from loraplex.config import ModelConfig
 from loraplex.engine.kv_cache import KVCache
 from loraplex.layers.lora_linear import LoRALinear
-from loraplex.models.adapter_slots import write_adapter_slot
+from loraplex.models.adapter_slots import AdapterModules, write_adapter_slot
 from loraplex.models.attention import AttentionMetadata, paged_attention
 from loraplex.models.rotary import RotaryEmbedding, apply_rotary
 
@@ -136,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
         last = self.norm(hidden.index_select(0, logits_rows))  # [S, hidden]
         return F.linear(last, self.lm_head_weight).float()  # [S, vocab]
 
-    def set_slot(self, slot: int, weights) -> None:
+    def set_slot(self, slot: int, weights: AdapterModules) -> None:
         """Write an adapter (duck-typed ``AdapterWeights``: ``.modules[(layer, proj)] = (A, B)``) into
         ``slot`` of every adapted layer; validates everything before writing anything."""
         write_adapter_slot(self, slot, weights)
