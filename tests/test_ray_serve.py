@@ -10,6 +10,7 @@ requests are re-sent, and Serve restarts it; ``import loraplex`` needs no Ray.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 import socket
@@ -48,6 +49,8 @@ STARTUP = "r8_all"  # loaded on every replica at start
 LAZY = ("r4_attn", "r16_mlp", "r2_qv")  # in the adapter root, loaded by the replica that first serves them
 AFFINE = "r4_attn_copy"  # also in the root; only the affinity test uses it
 DROPPED = "r16_mlp_copy"  # also in the root; only the disconnect test uses it
+DORA = "dora"  # in the root, but invalid (use_dora=true)
+ESCAPE = "escape"  # a symlink in the root to an adapter folder outside it
 ENGINE = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=8)
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 API_KEY = "ray-test-key"
@@ -84,6 +87,10 @@ def deployment(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
         shutil.copytree(tiny_llama_adapters[name], root / name)
     shutil.copytree(tiny_llama_adapters["r4_attn"], root / AFFINE)
     shutil.copytree(tiny_llama_adapters["r16_mlp"], root / DROPPED)
+    shutil.copytree(tiny_llama_adapters["r2_qv"], root / DORA)
+    peft_config = json.loads((root / DORA / "adapter_config.json").read_text())
+    (root / DORA / "adapter_config.json").write_text(json.dumps({**peft_config, "use_dora": True}))
+    (root / ESCAPE).symlink_to(tiny_llama_adapters["r2_qv"], target_is_directory=True)
     config = RayServeConfig(
         engine=EngineConfig(model=str(tiny_llama), **ENGINE), replicas=2,
         adapters=((STARTUP, str(tiny_llama_adapters[STARTUP])),), adapter_roots=(str(root),),
@@ -143,7 +150,7 @@ def test_config_rejects_bad_values(tmp_path: Path) -> None:
 def test_models_lists_base_startup_and_root_adapters(deployment: Deployment) -> None:
     for _ in range(4):  # whichever replica answers, the same list
         ids = [card["id"] for card in deployment.http().get("/v1/models").json()["data"]]
-        assert ids == [BASE, STARTUP, *sorted((*LAZY, AFFINE, DROPPED))]
+        assert ids == [BASE, STARTUP, *sorted((*LAZY, AFFINE, DROPPED, DORA))]
 
 
 def test_api_key_is_checked_at_the_ingress(deployment: Deployment) -> None:
@@ -157,6 +164,18 @@ def test_api_key_is_checked_at_the_ingress(deployment: Deployment) -> None:
 def test_runtime_loading_endpoints_explain_lazy_loading(deployment: Deployment) -> None:
     r = deployment.http().post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"})
     assert r.status_code == 403 and "<adapter root>/NAME" in r.json()["error"]["message"]
+
+
+def test_bad_root_adapters_fail_their_requests_only(deployment: Deployment) -> None:
+    http = deployment.http()
+    for _ in range(2):  # a failed load is not remembered as held
+        r = http.post("/v1/completions", json={"model": DORA, "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 400 and "use_dora=true" in r.json()["error"]["message"], r.text
+    r = http.post("/v1/completions", json={"model": ESCAPE, "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 403 and "outside the allowed adapter roots" in r.json()["error"]["message"], r.text
+    r = http.post("/v1/completions", json={"model": "../r2_qv", "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
+    assert http.post("/v1/completions", json={"model": BASE, "prompt": "Hi", "max_tokens": 2}).status_code == 200
 
 
 def test_outputs_equal_single_engine(deployment: Deployment, offline: LLM) -> None:

@@ -47,6 +47,8 @@ class _Held:
 
 
 class EngineReplica:
+    """A Serve deployment class: an engine and its app; ``handle_http`` serves forwarded requests."""
+
     def __init__(self, config: RayServeConfig) -> None:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
