@@ -10,7 +10,7 @@ and the two LoRA parts alone (``lora_part``, ``gather_part``), whose ratio is th
 Decode-sized batches are one token per sequence; prefill-sized ones are sequences of 64 tokens
 (16 with 32 adapters). Sequence order is shuffled, so equal adapters are not adjacent.
 
-    python benchmarks/lora_layer.py [--repeats N] [--out results.json]
+    python benchmarks/lora_layer.py [--repeats N] [--tokens 32 512] [--out results.json]
 """
 
 from __future__ import annotations
@@ -128,6 +128,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, nargs="*", help="only the cases with these token counts")
     parser.add_argument("--out", help="write the cases as JSON to this path")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -137,6 +138,8 @@ def main() -> None:
           f"{'gather_ms':>9} {'lora/base':>9} {'gath/base':>9} {'part_ms':>8} {'gpart_ms':>8} {'speedup':>7}")
     results = []
     for tokens, num_adapters, base_fraction in CASES:
+        if args.tokens and tokens not in args.tokens:
+            continue
         r = run_case(tokens, num_adapters, base_fraction, args.repeats)
         results.append(r)
         print(f"{tokens:>6} {num_adapters:>8} {base_fraction * 100:>5.0f} {r['method']:>8} {r['base_ms']:>8.3f} "

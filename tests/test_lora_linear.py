@@ -119,3 +119,25 @@ def test_bfloat16_layer() -> None:
     bf16_adapters = {s: {n: (a.bfloat16(), b.bfloat16()) for n, (a, b) in p.items()} for s, p in adapters.items()}
     expected = reference(layer, x, bf16_adapters, batch.token_slots.tolist())
     torch.testing.assert_close(out.double(), expected, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("seq_len", [1, 24])  # padded (decode-like) and segments (prefill-like) views
+def test_memoised_views_follow_slot_writes_and_dtype_moves(seq_len: int) -> None:
+    gen = torch.Generator().manual_seed(6)
+    layer = make_layer()
+    first = {0: random_pairs({"q_proj": 2, "k_proj": 2, "v_proj": 2}, gen),
+             1: random_pairs({"q_proj": 2, "k_proj": 2, "v_proj": 2}, gen)}
+    for slot, pairs in first.items():
+        layer.set_slot(slot, pairs)
+    batch = build_lora_batch(BatchMapping.from_sequences([(0, seq_len), (1, seq_len)] * 4), {0: 0, 1: 1}, 0)
+    x = torch.randn(batch.num_tokens, IN, generator=gen)
+    layer(x, batch)  # fills the layer's memo for this batch
+    second = {0: first[0], 1: random_pairs({"q_proj": 8, "v_proj": 3}, gen)}  # new ranks and blocks
+    layer.set_slot(1, second[1])
+    expected = reference(layer, x, second, batch.token_slots.tolist())
+    torch.testing.assert_close(layer(x, batch).double(), expected, rtol=1e-5, atol=1e-5)
+    layer.double()  # new buffers: no view of the old ones may survive
+    layer.lora_b[1].mul_(2.0)
+    doubled = {0: second[0], 1: {n: (a, 2.0 * b) for n, (a, b) in second[1].items()}}
+    expected = reference(layer, x.double(), doubled, batch.token_slots.tolist())
+    torch.testing.assert_close(layer(x.double(), batch), expected, rtol=1e-9, atol=1e-9)

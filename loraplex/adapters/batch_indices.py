@@ -140,8 +140,8 @@ class LoRABatch:
         gather = 0.0 if self.slot_span is not None else 2 * _OP_COST
         costs = {
             SEGMENTS: 2 * _OP_COST * len(self.runs) + t,
-            GROUPED: 4 * _OP_COST * g + t * (1 + _GATHER_ROW_COST),
-            PADDED: 6 * _OP_COST + gather + g * m * _PADDED_ROW_COST + t * _GATHER_ROW_COST,
+            GROUPED: 5 * _OP_COST * g + t * (1 + _GATHER_ROW_COST),
+            PADDED: 5 * _OP_COST + gather + g * m * _PADDED_ROW_COST + t * _GATHER_ROW_COST,
         }
         return min(costs, key=costs.__getitem__)
 

@@ -19,10 +19,13 @@ import torch
 from torch import nn
 
 from loraplex.adapters.batch_indices import LoRABatch
-from loraplex.ops.lora import Blocks, add_lora
+from loraplex.ops.lora import Blocks, LoRACache, add_lora
 
 
 class LoRALinear(nn.Module):
+    """``y = x W^T + b + LoRA_slot(x)`` for packed projections; slots are written between steps only
+    (a ``LoRABatch`` derived before a slot write must not be used after it)."""
+
     def __init__(
         self,
         in_features: int,
@@ -53,7 +56,8 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_b", torch.zeros(max_loras, total_out, rank_capacity, dtype=dtype,
                                                    device=device), persistent=False)  # [max_loras, out, R_max]
         self.slot_ranks = [0] * max_loras  # packed rank R_s per slot; 0 = slot empty for this layer
-        self.slot_blocks: list[Blocks] = [()] * max_loras  # per slot: B's nonzero (out, rank) blocks
+        self.slot_blocks: list[Blocks] = [()] * max_loras  # per slot: B's (out, rank) block per projection
+        self.lora_cache = LoRACache()  # weight views and per-batch plan; cleared on every slot write
 
     def set_slot(self, slot: int, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write one adapter into ``slot``. ``pairs[name] = (A [r, in], B [out, r])``, B scale-folded."""
@@ -72,8 +76,10 @@ class LoRALinear(nn.Module):
             rank_offset += r
         self.slot_ranks[slot] = rank_offset
         self.slot_blocks[slot] = tuple(blocks)
+        self.lora_cache.clear()
 
     def clear_slot(self, slot: int) -> None:
+        self.lora_cache.clear()
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         self.slot_ranks[slot] = 0
@@ -83,5 +89,10 @@ class LoRALinear(nn.Module):
         # x: [T, in] -> [T, sum(out)]
         y = nn.functional.linear(x, self.weight, self.bias)
         if lora is not None and lora.has_lora:
-            add_lora(y, x, self.lora_a, self.lora_b, self.slot_ranks, lora, slot_blocks=self.slot_blocks)
+            add_lora(y, x, self.lora_a, self.lora_b, self.slot_ranks, lora, slot_blocks=self.slot_blocks,
+                     cache=self.lora_cache)
         return y
+
+    def _apply(self, fn, recurse: bool = True):  # .to(), .float(), ...: the buffers are replaced
+        self.lora_cache.clear()
+        return super()._apply(fn, recurse)

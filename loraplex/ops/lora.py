@@ -2,28 +2,29 @@
 
 Semantics (for every slot group g with slot s and packed rank R_s > 0):
     y[order[o_g:o_{g+1}]] += (x[order[o_g:o_{g+1}]] @ A[s, :R_s]^T) @ B[s, :, :R_s]^T
-Tokens with slot -1 are untouched (never written; no weight is ever indexed with -1).
-B already carries the adapter's scale (alpha/r or alpha/sqrt(r)).
+Tokens with slot -1 are untouched (never written; no weight is ever indexed with -1, and slots no
+token reads are never read). B already carries the adapter's scale (alpha/r or alpha/sqrt(r)).
 Shapes: x [T, in], y [T, out] (changed in place), A [max_loras, R_max, in], B [max_loras, out, R_max],
 slot_ranks [max_loras] (R_s; 0 = the slot holds nothing for this layer). Any float dtype, all alike.
+Precondition (``LoRALinear`` keeps it): ``A[s, R_s:]`` and ``B[s, :, R_s:]`` are zero.
 
-A packed layer's B is block-diagonal (``LoRALinear``); ``slot_blocks[s]`` may list its blocks
-``(out_lo, out_hi, rank_lo, rank_hi)``, one per projection, in output order, covering every output
-(an untargeted projection has ``rank_lo == rank_hi``), so the expand can go block by block and skip
-the zeros.
+A packed layer's B is block-diagonal; ``slot_blocks[s]`` may list its blocks ``(out_lo, out_hi,
+rank_lo, rank_hi)``, one per projection in output order, covering every output (an untargeted
+projection has ``rank_lo == rank_hi``), with B zero outside them, so the expand can skip the zeros.
 
 Three methods, all exact; ``batch.method`` picks one per step from the batch's shape (on CPU one op
-dispatch costs about as much as a few token rows of LoRA arithmetic, so op counts matter at decode sizes):
-- ``segments``: per run of consecutive tokens that read one slot (a prefill sequence): two GEMMs on row
-  slices of x and y, no copies. 2 ops per run (1 + blocks when expanded block by block).
-- ``grouped``: per slot group: gather its rows, two GEMMs, scatter-add. 4 ops per group (2 + 2 per
-  block when expanded block by block).
-- ``padded``: all groups at once: two batched GEMMs over a ``[G, M, in]`` grid of gathered rows
-  (M = the largest group), one scatter-add. 4 ops whatever G (+1 to zero pad cells when groups are
-  unequal, +2 when the groups' slots are not one contiguous range and their weights must be gathered).
-  Padding: pad cells are computed, zeroed after the shrink, and add exact zeros to a real row; every
-  group runs at the batch's largest rank for this layer, ``max_g R_{s_g}`` (never ``R_max`` unless an
-  adapter has it): a smaller adapter's extra A rows and B columns are zeros in its slot buffer.
+dispatch costs as much as a few token rows of LoRA arithmetic, so op counts matter at decode sizes):
+- ``segments``: per run of consecutive tokens that read one slot (a prefill sequence), two GEMMs on
+  row slices of x and y, no copies: 2 ops per run (1 + one per block when expanded block by block).
+- ``grouped``: per slot group, gather its rows, two GEMMs, scatter-add: 4 ops per group (3 + one per
+  block, + a concat, when expanded block by block).
+- ``padded``: every group at once, two batched GEMMs over a ``[G, M, in]`` grid of gathered rows
+  (M = the largest group) and one scatter-add: 5 ops whatever G (+1 to zero pad cells when groups
+  differ in size, +2 when the groups' slots are not one contiguous range and their weights must be
+  gathered, + one per block and a concat when expanded block by block). Padding: pad cells are
+  zeroed after the shrink and add exact zeros to a real row; every group runs at the batch's largest
+  rank in this layer, ``max_g R_{s_g}`` (not ``R_max``): a smaller adapter's extra A rows and B
+  columns are zeros, so they add exact zeros too.
 """
 
 from __future__ import annotations
@@ -35,7 +36,31 @@ import torch
 from loraplex.adapters.batch_indices import GROUPED, LORA_METHODS, PADDED, SEGMENTS, LoRABatch
 
 Blocks = tuple[tuple[int, int, int, int], ...]  # (out_lo, out_hi, rank_lo, rank_hi) per projection
-BLOCKWISE_MIN_ROWS = 16  # below this, one expand GEMM over the zero blocks beats one GEMM per block
+BLOCKWISE_MIN_ROWS = 16  # below this many rows of one slot, one expand over B's zero blocks is cheaper
+
+
+class LoRACache:
+    """A layer's memo for ``add_lora``: weight views (they alias the slot buffers, so slot writes show
+    through) and the padded method's rank and blocks for the last batch. The owner must ``clear()``
+    it whenever slot ranks or blocks change or the buffers are replaced."""
+
+    def __init__(self, max_entries: int = 64) -> None:
+        self.max_entries = max_entries
+        self.views: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self.last_batch: LoRABatch | None = None
+        self.last_plan: tuple[int, Blocks] = (0, ())
+
+    def clear(self) -> None:
+        self.views.clear()
+        self.last_batch = None
+
+    def view(self, key: tuple, make) -> tuple[torch.Tensor, ...]:
+        found = self.views.get(key)
+        if found is None:
+            if len(self.views) >= self.max_entries:
+                self.views.clear()
+            found = self.views[key] = make()
+        return found
 
 
 def add_lora(
@@ -48,87 +73,108 @@ def add_lora(
     *,
     slot_blocks: Sequence[Blocks] | None = None,
     method: str | None = None,
+    cache: LoRACache | None = None,
 ) -> None:
     """``y += LoRA(x)`` per slot group, each group at its own rank; see the module docstring.
 
-    ``method`` forces one of ``LORA_METHODS`` (default: ``batch.method``).
+    ``method`` forces one of ``LORA_METHODS`` (default: ``batch.method``); ``cache`` memoises views.
     """
     # x: [T, in]; y: [T, out]; lora_a: [max_loras, R_max, in]; lora_b: [max_loras, out, R_max]
     if not batch.has_lora:
         return
     chosen = batch.method if method is None else method
+    cache = LoRACache() if cache is None else cache
     if chosen == SEGMENTS:
         for start, end, slot in batch.runs:
             if slot_ranks[slot]:
-                _add_dense(y[start:end], x[start:end], lora_a, lora_b, slot, slot_ranks, slot_blocks)
+                _add_slot(y[start:end], x[start:end], lora_a, lora_b, slot, slot_ranks, slot_blocks, cache)
     elif chosen == GROUPED:
-        _add_grouped(y, x, lora_a, lora_b, slot_ranks, batch, slot_blocks)
+        for g, slot in enumerate(batch.group_slots):
+            if slot_ranks[slot]:
+                rows = batch.order[batch.group_offsets[g] : batch.group_offsets[g + 1]]  # [n_g]
+                y.index_add_(0, rows, _slot_delta(x.index_select(0, rows), lora_a, lora_b, slot, slot_ranks,
+                                                  slot_blocks, cache, y.shape[1]))
     elif chosen == PADDED:
-        _add_padded(y, x, lora_a, lora_b, slot_ranks, batch, slot_blocks)
+        _add_padded(y, x, lora_a, lora_b, slot_ranks, batch, slot_blocks, cache)
     else:
         raise ValueError(f"unknown LoRA method {chosen!r}; expected one of {LORA_METHODS}")
 
 
-def _add_dense(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slot: int,
-               slot_ranks: Sequence[int], slot_blocks: Sequence[Blocks] | None) -> None:
-    """``y += (x @ A_s^T) @ B_s^T`` for rows that all read ``slot``; y and x: [n, *] (views are fine)."""
+def _add_slot(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slot: int,
+              slot_ranks: Sequence[int], slot_blocks: Sequence[Blocks] | None, cache: LoRACache) -> None:
+    """``y += (x @ A_s^T) @ B_s^T`` for rows that all read ``slot``; y [n, out], x [n, in] (views are fine)."""
+    blocks, a_t, b_ts = _slot_weights(lora_a, lora_b, slot, slot_ranks, slot_blocks, cache, x.shape[0], y.shape[1])
+    shrunk = x @ a_t  # [n, R_s]
+    for (o_lo, o_hi, r_lo, r_hi), b_t in zip(blocks, b_ts, strict=True):
+        if r_hi > r_lo:
+            y[:, o_lo:o_hi].addmm_(shrunk[:, r_lo:r_hi], b_t)
+
+
+def _slot_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slot: int, slot_ranks: Sequence[int],
+                slot_blocks: Sequence[Blocks] | None, cache: LoRACache, out: int) -> torch.Tensor:
+    """``(x @ A_s^T) @ B_s^T`` as a new ``[n, out]`` tensor, for rows x [n, in] that all read ``slot``."""
+    blocks, a_t, b_ts = _slot_weights(lora_a, lora_b, slot, slot_ranks, slot_blocks, cache, x.shape[0], out)
+    shrunk = x @ a_t  # [n, R_s]
+    if len(blocks) == 1:
+        return shrunk @ b_ts[0]
+    return torch.cat([shrunk[:, r_lo:r_hi] @ b_t for (_, _, r_lo, r_hi), b_t in zip(blocks, b_ts, strict=True)], 1)
+
+
+def _slot_weights(lora_a: torch.Tensor, lora_b: torch.Tensor, slot: int, slot_ranks: Sequence[int],
+                  slot_blocks: Sequence[Blocks] | None, cache: LoRACache, rows: int,
+                  out: int) -> tuple[Blocks, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """One slot's blocks (B's own when ``rows`` make block-by-block pay, else one) and views
+    ``A_s^T [in, R_s]``, ``B^T [r_p, out_p]`` per block."""
     rank = slot_ranks[slot]
-    shrunk = x @ lora_a[slot, :rank].t()  # [n, R_s]
-    for out_lo, out_hi, rank_lo, rank_hi in _expand_blocks(slot, rank, y.shape, slot_blocks):
-        if rank_hi > rank_lo:
-            y[:, out_lo:out_hi].addmm_(shrunk[:, rank_lo:rank_hi], lora_b[slot, out_lo:out_hi, rank_lo:rank_hi].t())
-
-
-def _expand_blocks(slot: int, rank: int, shape: torch.Size, slot_blocks: Sequence[Blocks] | None) -> Blocks:
-    """B's nonzero blocks when expanding them one by one pays (enough rows), else all of ``B_s[:, :R_s]``."""
     blocks = slot_blocks[slot] if slot_blocks is not None else ()
-    if len(blocks) > 1 and shape[0] >= BLOCKWISE_MIN_ROWS:
-        return blocks
-    return ((0, shape[1], 0, rank),)
-
-
-def _add_grouped(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                 slot_ranks: Sequence[int], batch: LoRABatch, slot_blocks: Sequence[Blocks] | None) -> None:
-    for g, slot in enumerate(batch.group_slots):
-        rank = slot_ranks[slot]
-        if not rank:
-            continue
-        rows = batch.order[batch.group_offsets[g] : batch.group_offsets[g + 1]]  # [n_g]
-        shrunk = x.index_select(0, rows) @ lora_a[slot, :rank].t()  # [n_g, R_s]
-        blocks = _expand_blocks(slot, rank, torch.Size((rows.shape[0], y.shape[1])), slot_blocks)
-        parts = [shrunk[:, r_lo:r_hi] @ lora_b[slot, o_lo:o_hi, r_lo:r_hi].t() for o_lo, o_hi, r_lo, r_hi in blocks]
-        y.index_add_(0, rows, parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+    if len(blocks) < 2 or rows < BLOCKWISE_MIN_ROWS:
+        blocks = ((0, out, 0, rank),)
+    a_t, *b_ts = cache.view(("slot", slot, blocks), lambda: (
+        lora_a[slot, :rank].t(), *(lora_b[slot, o_lo:o_hi, r_lo:r_hi].t() for o_lo, o_hi, r_lo, r_hi in blocks)))
+    return blocks, a_t, tuple(b_ts)
 
 
 def _add_padded(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                slot_ranks: Sequence[int], batch: LoRABatch, slot_blocks: Sequence[Blocks] | None) -> None:
-    rank = max(slot_ranks[s] for s in batch.group_slots)  # the batch's largest rank in this layer
+                slot_ranks: Sequence[int], batch: LoRABatch, slot_blocks: Sequence[Blocks] | None,
+                cache: LoRACache) -> None:
+    if cache.last_batch is not batch:
+        cache.last_batch, cache.last_plan = batch, _padded_plan(batch.group_slots, slot_ranks, slot_blocks)
+    rank, blocks = cache.last_plan
     if rank == 0:
         return
-    layout = batch.padded
+    if not blocks:
+        blocks = ((0, y.shape[1], 0, rank),)
     span = batch.slot_span
-    if span is not None:
-        a = lora_a[span[0] : span[1], :rank]  # [G, R, in] (a view)
-        b = lora_b[span[0] : span[1], :, :rank]  # [G, out, R] (a view)
+    if span is not None:  # the groups' slots are one range: views of the buffers, memoised
+        a_t, *b_ts = cache.view(("span", span, blocks), lambda: _grid_weights(
+            lora_a[span[0] : span[1]], lora_b[span[0] : span[1]], rank, blocks))
     else:
-        a = lora_a[:, :rank].index_select(0, batch.slots_tensor)  # [G, R, in]
-        b = lora_b[:, :, :rank].index_select(0, batch.slots_tensor)  # [G, out, R]
+        a_t, *b_ts = _grid_weights(lora_a.index_select(0, batch.slots_tensor),
+                                   lora_b.index_select(0, batch.slots_tensor), rank, blocks)
+    layout = batch.padded
     grid = x.index_select(0, layout.rows).view(len(batch.group_slots), layout.max_group_tokens, -1)
-    shrunk = torch.bmm(grid, a.transpose(1, 2))  # [G, M, R]
+    shrunk = torch.bmm(grid, a_t)  # [G, M, R]
     if layout.pad_mask is not None:
         shrunk.masked_fill_(layout.pad_mask, 0.0)
-    blocks = _shared_blocks(batch.group_slots, slot_blocks)
-    if len(blocks) > 1:  # every group has the same blocks: expand block by block, skipping B's zeros
-        delta = torch.cat([torch.bmm(shrunk[:, :, r_lo:r_hi], b[:, o_lo:o_hi, r_lo:r_hi].transpose(1, 2))
-                           for o_lo, o_hi, r_lo, r_hi in blocks], dim=2)  # [G, M, out]
+    if len(b_ts) == 1:
+        delta = torch.bmm(shrunk, b_ts[0])  # [G, M, out]
     else:
-        delta = torch.bmm(shrunk, b.transpose(1, 2))  # [G, M, out]
+        parts = shrunk.split([r_hi - r_lo for _, _, r_lo, r_hi in blocks], dim=2)
+        delta = torch.cat([torch.bmm(p, b_t) for p, b_t in zip(parts, b_ts, strict=True)], dim=2)
     y.index_add_(0, layout.rows, delta.view(-1, y.shape[1]))
 
 
-def _shared_blocks(slots: Sequence[int], slot_blocks: Sequence[Blocks] | None) -> Blocks:
-    """The B blocks common to every slot in ``slots`` (``()`` if they differ or are unknown)."""
-    if slot_blocks is None:
-        return ()
+def _padded_plan(slots: Sequence[int], slot_ranks: Sequence[int],
+                 slot_blocks: Sequence[Blocks] | None) -> tuple[int, Blocks]:
+    """The batch's largest rank in this layer, and the B blocks if every slot shares them (else ``()``)."""
+    rank = max(slot_ranks[s] for s in slots)
+    if slot_blocks is None or len(slot_blocks[slots[0]]) < 2:
+        return rank, ()
     first = slot_blocks[slots[0]]
-    return first if all(slot_blocks[s] == first for s in slots) else ()
+    return rank, (first if all(slot_blocks[s] == first for s in slots) else ())
+
+
+def _grid_weights(a: torch.Tensor, b: torch.Tensor, rank: int, blocks: Blocks) -> tuple[torch.Tensor, ...]:
+    """``A^T [G, in, R]`` and one ``B^T [G, r_p, out_p]`` per block; a [G, R_max, in], b [G, out, R_max]."""
+    return (a[:, :rank].transpose(1, 2),
+            *(b[:, o_lo:o_hi, r_lo:r_hi].transpose(1, 2) for o_lo, o_hi, r_lo, r_hi in blocks))
