@@ -51,6 +51,7 @@ AFFINE = "r4_attn_copy"  # also in the root; only the affinity test uses it
 DROPPED = "r16_mlp_copy"  # also in the root; only the disconnect test uses it
 DORA = "dora"  # in the root, but invalid (use_dora=true)
 ESCAPE = "escape"  # a symlink in the root to an adapter folder outside it
+ROOT = {**{name: name for name in LAZY}, AFFINE: "r4_attn", DROPPED: "r16_mlp", DORA: "r2_qv"}  # root name -> source
 ENGINE = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=8)
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 API_KEY = "ray-test-key"
@@ -60,8 +61,6 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 @dataclass
 class Deployment:
     url: str
-    config: RayServeConfig
-    startup_s: float
 
     def client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
@@ -83,11 +82,8 @@ def free_port() -> int:
 def deployment(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     root = tmp_path_factory.mktemp("ray-adapter-root")
-    for name in LAZY:
-        shutil.copytree(tiny_llama_adapters[name], root / name)
-    shutil.copytree(tiny_llama_adapters["r4_attn"], root / AFFINE)
-    shutil.copytree(tiny_llama_adapters["r16_mlp"], root / DROPPED)
-    shutil.copytree(tiny_llama_adapters["r2_qv"], root / DORA)
+    for name, source in ROOT.items():
+        shutil.copytree(tiny_llama_adapters[source], root / name)
     peft_config = json.loads((root / DORA / "adapter_config.json").read_text())
     (root / DORA / "adapter_config.json").write_text(json.dumps({**peft_config, "use_dora": True}))
     (root / ESCAPE).symlink_to(tiny_llama_adapters["r2_qv"], target_is_directory=True)
@@ -102,9 +98,8 @@ def deployment(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
         try:
             start = time.monotonic()
             url = ray_serve.deploy(config)
-            startup = time.monotonic() - start
-            logger.warning("2-replica deployment ready in %.1f s (Ray already running)", startup)
-            yield Deployment(url, config, startup)
+            logger.warning("2-replica deployment ready in %.1f s (Ray already running)", time.monotonic() - start)
+            yield Deployment(url)
         finally:
             ray_serve.shutdown()
             ray.shutdown()
@@ -150,18 +145,15 @@ def test_config_rejects_bad_values(tmp_path: Path) -> None:
 def test_models_lists_base_startup_and_root_adapters(deployment: Deployment) -> None:
     for _ in range(4):  # whichever replica answers, the same list
         ids = [card["id"] for card in deployment.http().get("/v1/models").json()["data"]]
-        assert ids == [BASE, STARTUP, *sorted((*LAZY, AFFINE, DROPPED, DORA))]
+        assert ids == [BASE, STARTUP, *sorted(ROOT)]
 
 
-def test_api_key_is_checked_at_the_ingress(deployment: Deployment) -> None:
+def test_ingress_checks_the_api_key_and_explains_lazy_loading(deployment: Deployment) -> None:
     body = {"model": BASE, "prompt": "Hi", "max_tokens": 1}
     denied = httpx.post(f"{deployment.url}/v1/completions", json=body, timeout=60)
     assert denied.status_code == 401 and "API key" in denied.json()["error"]["message"]
     assert httpx.get(f"{deployment.url}/health", timeout=60).json() == {"status": "ok"}
     assert deployment.http().post("/v1/completions", json=body).status_code == 200
-
-
-def test_runtime_loading_endpoints_explain_lazy_loading(deployment: Deployment) -> None:
     r = deployment.http().post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"})
     assert r.status_code == 403 and "<adapter root>/NAME" in r.json()["error"]["message"]
 
@@ -202,8 +194,7 @@ def test_outputs_equal_single_engine(deployment: Deployment, offline: LLM) -> No
 
     async def all_requests() -> list[str]:
         client = deployment.client()
-        calls = [f(client, m) for m in models for f in (complete, stream, chat)]
-        return await asyncio.gather(*calls)
+        return await asyncio.gather(*(f(client, m) for m in models for f in (complete, stream, chat)))
 
     got = run(all_requests())
     want = [text for m in models for text in (solo(offline, prompts[m], m, 12), solo(offline, prompts[m], m, 12),
@@ -265,7 +256,7 @@ def test_replica_failure_is_survived(deployment: Deployment, offline: LLM) -> No
     streamed = [BASE, STARTUP, LAZY[0], BASE, STARTUP, LAZY[0]]
     whole = [BASE, STARTUP, LAZY[2]]
 
-    async def stream(client: httpx.AsyncClient, model: str, live: list[str], started: asyncio.Event) -> tuple[str, str]:
+    async def stream(client: httpx.AsyncClient, model: str, live: list[str]) -> tuple[str, str]:
         """(replica, "ok" | the error event); ``live`` gets the replica once tokens arrive."""
         body = {"model": model, "prompt": f"{model} says", "max_tokens": 450, "ignore_eos": True, "stream": True}
         async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -275,7 +266,6 @@ def test_replica_failure_is_survived(deployment: Deployment, offline: LLM) -> No
                     events += 1
                     if events == 1:
                         live.append(replica)
-                        started.set()
                     if '"error"' in line:
                         return replica, line
             return replica, f"ok after {events} events"
@@ -287,10 +277,11 @@ def test_replica_failure_is_survived(deployment: Deployment, offline: LLM) -> No
 
     async def drill() -> tuple[str, list[tuple[str, str]], list[tuple[int, str]]]:
         async with deployment.async_http() as client:
-            started, live = asyncio.Event(), []
-            streams = [asyncio.ensure_future(stream(client, m, live, started)) for m in streamed]
+            live: list[str] = []
+            streams = [asyncio.ensure_future(stream(client, m, live)) for m in streamed]
             wholes = [asyncio.ensure_future(complete(client, m)) for m in whole]
-            await started.wait()
+            while not live:
+                await asyncio.sleep(0.01)
             victim_id = live[0]
             ray.kill(ray_serve.engine_replica_actors()[victim_id], no_restart=True)
             return victim_id, await asyncio.gather(*streams), await asyncio.gather(*wholes)
