@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -76,11 +77,14 @@ def main() -> None:
         "batch": args.batch,
         "context": args.context,
         "threads": args.threads,
+        "load_average": os.getloadavg()[0],
         "decode_step_ms": statistics.median(step_ms),
         "gemm_floor_ms": statistics.median(floor_ms),
     }
     result["ratio"] = result["decode_step_ms"] / result["gemm_floor_ms"]
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} threads")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cpus (load {load}), "
+          f"torch {torch.__version__}, {args.threads} threads")
     print(f"{'batch':>5} {'context':>7} {'decode_step_ms':>14} {'gemm_floor_ms':>13} {'ratio':>6}")
     print(f"{args.batch:>5} {args.context:>7} {result['decode_step_ms']:>14.1f} "
           f"{result['gemm_floor_ms']:>13.1f} {result['ratio']:>6.3f}")
