@@ -56,15 +56,21 @@ def test_ragged_prefill_then_paged_decode_match_hf(tiny_model: Path) -> None:
 
 
 def test_greedy_generation_matches_hf_generate(tiny_model: Path) -> None:
+    """Tokens and every step's logits (tied-embedding tiny models tend to repeat one token, so the
+    logits are what makes this discriminating)."""
     runner, hf = make_runner(tiny_model), hf_model(tiny_model)
     prompts = random_prompts([5, 11, 3], runner.model.config.vocab_size, seed=4)
-    ours, _ = greedy(runner, prompts, 16, ShuffledBlocks(runner, seed=5))
+    ours, step_logits = greedy(runner, prompts, 16, ShuffledBlocks(runner, seed=5))
     eos = set(runner.model.config.eos_token_ids)
-    for prompt, out in zip(prompts, ours, strict=True):
+    for j, (prompt, out) in enumerate(zip(prompts, ours, strict=True)):
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+            gen = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True)
+        ref = gen.sequences[0, len(prompt):].tolist()
         assert out[: len(ref)] == ref
         assert len(ref) == 16 or ref[-1] in eos  # HF stops at EOS; we decode on
+        for ours_step, ref_step in zip(step_logits, gen.logits, strict=False):
+            assert_logits_close(ours_step[j], ref_step[0])
 
 
 @pytest.mark.parametrize("rope_type", ["default", "linear", "dynamic", "llama3"])
