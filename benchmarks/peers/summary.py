@@ -1,0 +1,110 @@
+"""The peer benchmarks' verdict: ratios against the issue's targets, as a table and ``summary.json``.
+
+Reads ``offline.json``, ``serving.json`` and ``crosscheck.json`` (whichever exist) and writes the
+small, committed ``benchmarks/results/summary.json``. Standard library only (runs in either venv).
+
+    python benchmarks/peers/summary.py [--results benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+TIE = 1e-2  # |logit margin| below this, at the first differing position, is a float tie
+
+
+def median(w: dict, system: str) -> float | None:
+    return w["peers"].get(system, {}).get("tok_s", {}).get("median")
+
+
+def offline_rows(data: dict) -> tuple[dict, list[dict]]:
+    table, targets = {}, []
+    for key, w in data["workloads"].items():
+        table[key] = {s: ({"median": round(p["tok_s"]["median"], 2), "min": round(p["tok_s"]["min"], 2),
+                           "max": round(p["tok_s"]["max"], 2), **({"max_loras": p["config"]["max_loras"]}
+                                                                     if "max_loras" in p.get("config", {}) else {})}
+                          if "tok_s" in p else {"error": p.get("error", "no result")})
+                      for s, p in w["peers"].items()}
+    goals = [("mixed8", "vllm", 2.0), ("mixed8", "peft", 1.6), ("base", "vllm", 1.0), ("base", "hf", 1.0)]
+    for key, peer, goal in goals:
+        w = data["workloads"].get(key)
+        if w is None:
+            continue
+        lp, other = median(w, "loraplex"), median(w, peer)
+        ratio = lp / other if lp and other else None
+        targets.append({"target": f"{key}: loraplex / {peer} tok/s", "goal": f">= {goal}",
+                        "value": None if ratio is None else round(ratio, 2),
+                        "met": ratio is not None and ratio >= goal})
+    return table, targets
+
+
+def serving_rows(data: dict) -> tuple[dict, list[dict]]:
+    by = {}
+    for p in data["points"]:
+        by.setdefault(p["scenario"], {}).setdefault(p["system"], {})[p["rate"]] = p
+    table, targets = {}, []
+    for scenario, systems in by.items():
+        vllm, lp = systems.get("vllm", {}), systems.get("loraplex", {})
+        table[scenario] = {s: {str(r): {"req_s": round(p["req_s"], 3), "errors": p["errors"],
+                                        "sustained": p["sustained"],
+                                        "ttft_p50_ms": _ms(p["ttft"]["p50"]), "tpot_p50_ms": _ms(p["tpot"]["p50"])}
+                               for r, p in sorted(pts.items())} for s, pts in systems.items()}
+        sustained = [r for r, p in vllm.items() if p["sustained"]]
+        if not sustained:
+            targets.append({"target": f"serving {scenario}: vLLM sustains no tested rate", "goal": "-",
+                            "value": None, "met": None})
+            continue
+        rate = max(sustained)
+        if rate not in lp:
+            continue
+        for metric in ("tpot", "ttft"):
+            a, b = lp[rate][metric]["p50"], vllm[rate][metric]["p50"]
+            ratio = a / b if a is not None and b else None
+            targets.append({"target": f"serving {scenario} @ {rate} req/s: loraplex / vLLM p50 {metric.upper()}",
+                            "goal": "<= 0.8, no errors", "value": None if ratio is None else round(ratio, 2),
+                            "met": ratio is not None and ratio <= 0.8 and lp[rate]["errors"] == 0})
+    return table, targets
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 1)
+
+
+def crosscheck_rows(data: dict) -> tuple[dict, list[dict]]:
+    misses = data["mismatches"]
+    ties = [m for m in misses if abs(m.get("margin", float("inf"))) < TIE]
+    table = {"pairs": data["pairs"], "mismatches": len(misses), "float_ties": len(ties),
+             "largest_margin": max((abs(m["margin"]) for m in misses if "margin" in m), default=None)}
+    met = len(misses) == len(ties)
+    return table, [{"target": "greedy token ids equal (or each mismatch a float tie)",
+                    "goal": f"|margin| < {TIE}", "value": f"{len(misses)} mismatches, {len(ties)} ties",
+                    "met": met}]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=Path, default=Path(__file__).resolve().parents[1] / "results")
+    args = parser.parse_args()
+    summary: dict = {"targets": []}
+    for name, rows in (("offline", offline_rows), ("serving", serving_rows), ("crosscheck", crosscheck_rows)):
+        path = args.results / f"{name}.json"
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        summary.setdefault("machine", data["machine"])
+        summary[f"{name}_run"] = {"date": data["date"], "load_avg_start": data["load_avg"],
+                                  "load_avg_end": data.get("load_avg_end")}
+        summary[name], targets = rows(data)
+        summary["targets"] += targets
+    (args.results / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"\n{summary.get('machine', '')}\n")
+    width = max((len(t["target"]) for t in summary["targets"]), default=10)
+    for t in summary["targets"]:
+        verdict = {True: "met", False: "MISSED", None: "-"}[t["met"]]
+        print(f"{t['target']:{width}s}  {t['goal']:>18s}  {t['value']!s:>24s}  {verdict}")
+
+
+if __name__ == "__main__":
+    main()
