@@ -10,13 +10,15 @@ and the two LoRA parts alone (``lora_part``, ``gather_part``), whose ratio is th
 Decode-sized batches are one token per sequence; prefill-sized ones are sequences of 64 tokens
 (16 with 32 adapters). Sequence order is shuffled, so equal adapters are not adjacent.
 
-    python benchmarks/lora_layer.py [--repeats N] [--tokens 32 512] [--out results.json]
+    python benchmarks/lora_layer.py [--repeats N] [--tokens 32 512] [--threads 2] [--clock wall|cpu]
+                                    [--out results.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -74,7 +76,8 @@ def gather_delta(y: torch.Tensor, x: torch.Tensor, layer: LoRALinear, batch: LoR
     y.index_add_(0, rows, torch.bmm(shrunk, b.transpose(1, 2)).squeeze(1))
 
 
-def median_ms(fns: dict[str, Callable[[], object]], repeats: int, inner: int) -> dict[str, float]:
+def median_ms(fns: dict[str, Callable[[], object]], repeats: int, inner: int,
+              clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Median over ``repeats`` rounds; each round times every function ``inner`` times, in a rotated order."""
     names = list(fns)
     for fn in fns.values():  # warm-up
@@ -83,14 +86,15 @@ def median_ms(fns: dict[str, Callable[[], object]], repeats: int, inner: int) ->
     samples: dict[str, list[float]] = {n: [] for n in names}
     for r in range(repeats):
         for n in names[r % len(names):] + names[: r % len(names)]:
-            start = time.perf_counter()
+            start = clock()
             for _ in range(inner):
                 fns[n]()
-            samples[n].append((time.perf_counter() - start) * 1e3 / inner)
+            samples[n].append((clock() - start) * 1e3 / inner)
     return {n: statistics.median(v) for n, v in samples.items()}
 
 
-def run_case(tokens: int, num_adapters: int, base_fraction: float, repeats: int) -> dict[str, object]:
+def run_case(tokens: int, num_adapters: int, base_fraction: float, repeats: int,
+             clock: Callable[[], float]) -> dict[str, object]:
     gen = torch.Generator().manual_seed(1234 + tokens + num_adapters)
     layers = make_layers(num_adapters, gen)
     batch = make_batch(tokens, num_adapters, base_fraction, random.Random(tokens * 100 + num_adapters))
@@ -114,7 +118,7 @@ def run_case(tokens: int, num_adapters: int, base_fraction: float, repeats: int)
     }
     inner = 10 if tokens <= 64 else 1
     with torch.no_grad():
-        ms = median_ms(fns, repeats, inner)
+        ms = median_ms(fns, repeats, inner, clock)
     return {
         "tokens": tokens, "adapters": num_adapters, "base_fraction": base_fraction, "method": batch.method,
         "base_ms": ms["base"], "lora_ms": ms["lora"], "gather_ms": ms["gather"],
@@ -129,18 +133,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, nargs="*", help="only the cases with these token counts")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: this thread's CPU time (with --threads 1: steadier on a busy shared host)")
     parser.add_argument("--out", help="write the cases as JSON to this path")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, float32, rank {RANK}, max_loras {MAX_LORAS}")
+          f"{torch.get_num_threads()} threads, float32, rank {RANK}, max_loras {MAX_LORAS}, {args.clock} clock, "
+          f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'tokens':>6} {'adapters':>8} {'base%':>5} {'method':>8} {'base_ms':>8} {'lora_ms':>8} "
           f"{'gather_ms':>9} {'lora/base':>9} {'gath/base':>9} {'part_ms':>8} {'gpart_ms':>8} {'speedup':>7}")
     results = []
     for tokens, num_adapters, base_fraction in CASES:
         if args.tokens and tokens not in args.tokens:
             continue
-        r = run_case(tokens, num_adapters, base_fraction, args.repeats)
+        r = run_case(tokens, num_adapters, base_fraction, args.repeats, clock)
+        r.update(threads=torch.get_num_threads(), clock=args.clock)
         results.append(r)
         print(f"{tokens:>6} {num_adapters:>8} {base_fraction * 100:>5.0f} {r['method']:>8} {r['base_ms']:>8.3f} "
               f"{r['lora_ms']:>8.3f} {r['gather_ms']:>9.3f} {r['lora_over_base']:>9.3f} "

@@ -29,7 +29,7 @@ dispatch costs as much as a few token rows of LoRA arithmetic, so op counts matt
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -54,7 +54,8 @@ class LoRACache:
         self.views.clear()
         self.last_batch = None
 
-    def view(self, key: tuple, make) -> tuple[torch.Tensor, ...]:
+    def view(self, key: tuple, make: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        """The views stored under ``key``, made by ``make()`` on a miss (the memo is bounded)."""
         found = self.views.get(key)
         if found is None:
             if len(self.views) >= self.max_entries:
@@ -147,10 +148,9 @@ def _add_padded(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     span = batch.slot_span
     if span is not None:  # the groups' slots are one range: views of the buffers, memoised
         a_t, *b_ts = cache.view(("span", span, blocks), lambda: _grid_weights(
-            lora_a[span[0] : span[1]], lora_b[span[0] : span[1]], rank, blocks))
-    else:
-        a_t, *b_ts = _grid_weights(lora_a.index_select(0, batch.slots_tensor),
-                                   lora_b.index_select(0, batch.slots_tensor), rank, blocks)
+            lora_a, lora_b, rank, blocks, lambda t: t[span[0] : span[1]]))
+    else:  # copies of just the groups' slots, at rank R and block by block
+        a_t, *b_ts = _grid_weights(lora_a, lora_b, rank, blocks, lambda t: t.index_select(0, batch.slots_tensor))
     layout = batch.padded
     grid = x.index_select(0, layout.rows).view(len(batch.group_slots), layout.max_group_tokens, -1)
     shrunk = torch.bmm(grid, a_t)  # [G, M, R]
@@ -174,7 +174,8 @@ def _padded_plan(slots: Sequence[int], slot_ranks: Sequence[int],
     return rank, (first if all(slot_blocks[s] == first for s in slots) else ())
 
 
-def _grid_weights(a: torch.Tensor, b: torch.Tensor, rank: int, blocks: Blocks) -> tuple[torch.Tensor, ...]:
-    """``A^T [G, in, R]`` and one ``B^T [G, r_p, out_p]`` per block; a [G, R_max, in], b [G, out, R_max]."""
-    return (a[:, :rank].transpose(1, 2),
-            *(b[:, o_lo:o_hi, r_lo:r_hi].transpose(1, 2) for o_lo, o_hi, r_lo, r_hi in blocks))
+def _grid_weights(lora_a: torch.Tensor, lora_b: torch.Tensor, rank: int, blocks: Blocks,
+                  pick: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``A^T [G, in, R]`` and one ``B^T [G, r_p, out_p]`` per block, ``pick`` choosing the G slots."""
+    return (pick(lora_a[:, :rank]).transpose(1, 2),
+            *(pick(lora_b[:, o_lo:o_hi, r_lo:r_hi]).transpose(1, 2) for o_lo, o_hi, r_lo, r_hi in blocks))
