@@ -46,8 +46,8 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise RequestError(f"top_k must be 0 (off) or a positive integer, got {self.top_k!r}", "top_k")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            raise RequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}", "seed")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
+            raise RequestError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}", "seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError("stop must be non-empty strings", "stop")
 
