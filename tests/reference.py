@@ -1,4 +1,4 @@
-"""Slow references: HF transformers (+ PEFT) greedy decoding with full recomputation, no KV cache."""
+"""Slow references: HF transformers (+ PEFT) greedy decoding, one token at a time with HF's own KV cache."""
 
 from __future__ import annotations
 
@@ -26,13 +26,14 @@ def hf_model(base_folder: Path, adapter_folder: Path | None) -> torch.nn.Module:
 @torch.inference_mode()
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
     """Greedy continuation (EOS ignored) and the logits of each generated position: [n, vocab]."""
-    ids = list(prompt)
-    steps = []
+    out = model(torch.tensor([prompt]), use_cache=True)
+    tokens, steps = [], []
     for _ in range(max_new_tokens):
-        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        logits = out.logits[0, -1].float()
         steps.append(logits)
-        ids.append(int(torch.argmax(logits)))
-    return ids[len(prompt):], torch.stack(steps)
+        tokens.append(int(torch.argmax(logits)))
+        out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, torch.stack(steps)
 
 
 def with_adapter(base_folder: Path, adapter_folder: Path | None, prompts: list[list[int]], n: int) -> list[list[int]]:
