@@ -76,8 +76,11 @@ def same(t: torch.Tensor, u: torch.Tensor) -> bool:
 
 
 def check_op(y0: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ranks: list[int],
-             batch, expected: torch.Tensor, method: str | None, slot_blocks=None) -> None:
+             batch, expected: torch.Tensor, method: str | None, slot_blocks=None, strided_y: bool = False) -> None:
     y = y0.clone()
+    if strided_y:  # y as a column slice of a wider buffer
+        y = torch.zeros(y0.shape[0], y0.shape[1] + 2, dtype=y0.dtype)[:, 2:]
+        y.copy_(y0)
     ptr = y.data_ptr()
     x_before, a_before, b_before = x.clone(), a.clone(), b.clone()
     add_lora(y, x, a, b, ranks, batch, slot_blocks=slot_blocks, method=method)
@@ -132,7 +135,7 @@ def packed_case(block_ranks: list[tuple[int, ...]], outs: tuple[int, ...], seqs:
         slot_blocks.append(tuple(blocks))
     ranks = [sum(r) for r in block_ranks]
     batch = build_lora_batch(BatchMapping.from_sequences(seqs), {i: i for i in range(max_loras)}, 0)
-    x = torch.randn(batch.num_tokens, in_f, generator=gen)
+    x = torch.randn(batch.num_tokens, in_f + 3, generator=gen)[:, 1:-2]  # a strided view works too
     y0 = torch.randn(batch.num_tokens, out_offsets[-1], generator=gen)
     return y0, x, a, b, ranks, slot_blocks, batch
 
@@ -148,7 +151,7 @@ def test_packed_blocks_match_full_expand(block_ranks: list[tuple[int, ...]], seq
     y0, x, a, b, ranks, slot_blocks, batch = packed_case(block_ranks, (16, 8, 8), seqs, seed=seq_len)
     expected = reference(y0, x, a, b, ranks, batch.token_slots)
     for method in METHODS:
-        check_op(y0, x, a, b, ranks, batch, expected, method, slot_blocks=slot_blocks)
+        check_op(y0, x, a, b, ranks, batch, expected, method, slot_blocks=slot_blocks, strided_y=True)
 
 
 def test_rank_zero_slots_add_nothing() -> None:
