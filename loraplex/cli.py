@@ -28,6 +28,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=d.model, help="local HF folder or the embedded default (%(default)s)")
     p.add_argument("--adapter", action="append", type=adapter_spec, default=[], metavar="NAME=PATH",
                    help="load a PEFT adapter folder at start (repeatable)")
+    p.add_argument("--no-demo-adapters", action="store_true",
+                   help="with the embedded model and no --adapter, do not load the demo adapters")
     p.add_argument("--max-loras", type=int, default=d.max_loras, help="device adapter slots")
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help=f"adapters kept in host memory (default: max({d.max_cpu_loras}, --max-loras))")
@@ -79,6 +81,17 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         raise  # unreachable: parser.error exits
 
 
+def startup_adapters(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """``--adapter`` pairs; with none on the embedded model, the shipped demo adapters."""
+    from loraplex.models.embedded import EMBEDDED_MODEL
+
+    if args.adapter or args.no_demo_adapters or args.model.lower() != EMBEDDED_MODEL:
+        return list(args.adapter)
+    from loraplex.demo_adapters import DEMO_ADAPTERS
+
+    return [(name, str(path)) for name, path in DEMO_ADAPTERS.items()]
+
+
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     import uvicorn
 
@@ -86,7 +99,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     from loraplex.server.app import create_app
 
     engine = Engine(engine_config(args, parser))
-    for name, path in args.adapter:
+    for name, path in startup_adapters(args):
         engine.load_adapter(name, path)
     app = create_app(engine, served_model_name=args.served_model_name,
                      allow_runtime_adapters=args.allow_runtime_adapters, adapter_roots=args.adapter_root,
@@ -109,7 +122,7 @@ def generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     from loraplex.llm import LLM
 
     llm = LLM(**vars(engine_config(args, parser)))
-    for name, path in args.adapter:
+    for name, path in startup_adapters(args):
         llm.load_adapter(name, path)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     outputs = llm.generate(args.prompts, params, adapters=args.use, use_tqdm=False)

@@ -108,3 +108,16 @@ def test_serve_process(tiny_llama: Path, tiny_llama_adapters: dict[str, Path], t
     for expected in (f"serving on http://127.0.0.1:{port}/v1", "dtype torch.float32", "2 adapter slots",
                      "KV cache 64 blocks x 16 tokens", f"adapters: chat={folder}"):
         assert expected in text, text
+
+
+def test_embedded_model_serves_the_demo_adapters_by_default(tiny_llama: Path) -> None:
+    from loraplex.cli import startup_adapters
+    from loraplex.demo_adapters import DEMO_ADAPTERS
+
+    parser = build_parser()
+    default = startup_adapters(parser.parse_args(["serve"]))
+    assert [name for name, _ in default] == list(DEMO_ADAPTERS)
+    assert all((Path(path) / "adapter_config.json").is_file() for _, path in default)
+    assert startup_adapters(parser.parse_args(["serve", "--no-demo-adapters"])) == []
+    assert startup_adapters(parser.parse_args(["serve", "--adapter", "x=/a"])) == [("x", "/a")]
+    assert startup_adapters(parser.parse_args(["serve", "--model", str(tiny_llama)])) == []
