@@ -8,10 +8,13 @@ Times, interleaved and after a warm-up, with a fixed seed, the median of repeats
   matmuls and a scatter-add), the way vLLM's CPU path computes the LoRA delta;
 and the two LoRA parts alone (``lora_part``, ``gather_part``), whose ratio is the reported speedup.
 Decode-sized batches are one token per sequence; prefill-sized ones are sequences of 64 tokens
-(16 with 32 adapters). Sequence order is shuffled, so equal adapters are not adjacent.
+(16 with 32 adapters). Sequence order is shuffled, so equal adapters are not adjacent. With one
+layer (the default) its weights stay in the cache between repeats, base alone more than base plus
+LoRA (whose slot weights compete for it); ``--layers 8`` makes both stream from memory, as in a model.
+On a busy shared host, ``--threads 1 --clock cpu`` gives steadier numbers than wall-clock time.
 
     python benchmarks/lora_layer.py [--repeats N] [--tokens 32 512] [--threads 2] [--clock wall|cpu]
-                                    [--out results.json]
+                                    [--layers 1] [--out results.json]
 """
 
 from __future__ import annotations
@@ -93,10 +96,10 @@ def median_ms(fns: dict[str, Callable[[], object]], repeats: int, inner: int,
     return {n: statistics.median(v) for n, v in samples.items()}
 
 
-def run_case(tokens: int, num_adapters: int, base_fraction: float, repeats: int,
+def run_case(tokens: int, num_adapters: int, base_fraction: float, repeats: int, num_layers: int,
              clock: Callable[[], float]) -> dict[str, object]:
     gen = torch.Generator().manual_seed(1234 + tokens + num_adapters)
-    layers = make_layers(num_adapters, gen)
+    layers = [lin for _ in range(num_layers) for lin in make_layers(num_adapters, gen)]
     batch = make_batch(tokens, num_adapters, base_fraction, random.Random(tokens * 100 + num_adapters))
     xs = [torch.randn(tokens, layer.in_features, generator=gen) for layer in layers]
     ys = [F.linear(x, layer.weight) for x, layer in zip(xs, layers, strict=True)]
@@ -108,17 +111,19 @@ def run_case(tokens: int, num_adapters: int, base_fraction: float, repeats: int,
             torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
     pairs = list(zip(xs, layers, strict=True))
+    triples = list(zip(ys, xs, layers, strict=True))
     fns: dict[str, Callable[[], object]] = {
         "base": lambda: [F.linear(x, layer.weight) for x, layer in pairs],
         "lora": lambda: [layer(x, batch) for x, layer in pairs],
         "gather": lambda: [gather_delta(F.linear(x, layer.weight), x, layer, batch) for x, layer in pairs],
-        "lora_part": lambda: [add_lora(y, x, layer.lora_a, layer.lora_b, layer.slot_ranks, batch)
-                              for y, (x, layer) in zip(ys, pairs, strict=True)],
-        "gather_part": lambda: [gather_delta(y, x, layer, batch) for y, (x, layer) in zip(ys, pairs, strict=True)],
+        "lora_part": lambda: [add_lora(y, x, layer.lora_a, layer.lora_b, layer.slot_ranks, batch,
+                                       slot_blocks=layer.slot_blocks, cache=layer.lora_cache)
+                              for y, x, layer in triples],
+        "gather_part": lambda: [gather_delta(y, x, layer, batch) for y, x, layer in triples],
     }
     inner = 10 if tokens <= 64 else 1
     with torch.no_grad():
-        ms = median_ms(fns, repeats, inner, clock)
+        ms = {k: v / num_layers for k, v in median_ms(fns, repeats, inner, clock).items()}  # per decoder layer
     return {
         "tokens": tokens, "adapters": num_adapters, "base_fraction": base_fraction, "method": batch.method,
         "base_ms": ms["base"], "lora_ms": ms["lora"], "gather_ms": ms["gather"],
@@ -133,6 +138,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, nargs="*", help="only the cases with these token counts")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="cycle through this many decoder layers (times stay per layer): with several, the "
+                             "weights stream from memory as in a whole model instead of staying in cache")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: this thread's CPU time (with --threads 1: steadier on a busy shared host)")
     parser.add_argument("--out", help="write the cases as JSON to this path")
@@ -141,6 +149,7 @@ def main() -> None:
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, float32, rank {RANK}, max_loras {MAX_LORAS}, {args.clock} clock, "
+          f"{args.layers} decoder layer(s), "
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'tokens':>6} {'adapters':>8} {'base%':>5} {'method':>8} {'base_ms':>8} {'lora_ms':>8} "
           f"{'gather_ms':>9} {'lora/base':>9} {'gath/base':>9} {'part_ms':>8} {'gpart_ms':>8} {'speedup':>7}")
@@ -148,8 +157,8 @@ def main() -> None:
     for tokens, num_adapters, base_fraction in CASES:
         if args.tokens and tokens not in args.tokens:
             continue
-        r = run_case(tokens, num_adapters, base_fraction, args.repeats, clock)
-        r.update(threads=torch.get_num_threads(), clock=args.clock)
+        r = run_case(tokens, num_adapters, base_fraction, args.repeats, args.layers, clock)
+        r.update(threads=torch.get_num_threads(), clock=args.clock, layers=args.layers)
         results.append(r)
         print(f"{tokens:>6} {num_adapters:>8} {base_fraction * 100:>5.0f} {r['method']:>8} {r['base_ms']:>8.3f} "
               f"{r['lora_ms']:>8.3f} {r['gather_ms']:>9.3f} {r['lora_over_base']:>9.3f} "
