@@ -1,4 +1,5 @@
-"""Shared benchmark helpers: random PEFT-format adapters written directly, chat prompts, peak RSS."""
+"""Shared benchmark helpers: random PEFT-format adapters written directly, chat prompts, peak RSS, the
+decode step's bare matmuls."""
 
 from __future__ import annotations
 
@@ -6,12 +7,16 @@ import json
 import platform
 import random
 import resource
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from loraplex.config import PROJECTIONS, ModelConfig
+from loraplex.layers.lora_linear import LoRALinear
+from loraplex.ops.dense import dense_linear
 
 _MODULE_PATH = {name: ("self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp")
                 for name in PROJECTIONS}
@@ -75,3 +80,25 @@ def machine_line() -> str:
     except OSError:
         pass
     return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, {platform.python_version()}"
+
+
+def matmul_floors(model: torch.nn.Module, batch: int) -> dict[str, Callable[[], None]]:
+    """Two loops over one decode step's matmuls (every base projection of every layer, then the lm_head,
+    on ``batch`` tokens): ``gemm_floor`` with ``F.linear`` on plain weights (what HF transformers runs;
+    the issue's floor), ``packed_gemm_floor`` with loraplex's own packed oneDNN weights."""
+    linears = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    plain = [m.dense_weight() for m in linears]  # copies when packed
+    head = model.lm_head_weight
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in plain}
+
+    def gemm_floor() -> None:
+        for w in plain:
+            F.linear(inputs[w.shape[1]], w)
+        F.linear(inputs[head.shape[1]], head)
+
+    def packed_gemm_floor() -> None:
+        for m in linears:
+            dense_linear(inputs[m.in_features], m.weight, m.packed_weight)
+        dense_linear(inputs[head.shape[1]], head, model.lm_head_packed)
+
+    return {"gemm_floor": gemm_floor, "packed_gemm_floor": packed_gemm_floor}

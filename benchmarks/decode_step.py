@@ -1,9 +1,11 @@
 """Decode-step overhead: one batch-32 decode step through ``ModelRunner.execute`` vs its bare matmuls.
 
-The floor is a loop of ``F.linear`` over the model's own (packed) weights for the same 32 tokens,
-plus the lm_head: everything else the step does (embedding, norms, rotary, KV writes and gathers,
-attention, metadata) is overhead. Both are timed interleaved in one run (this host drifts 20-50 %
-between runs). Prints a table; ``--out PATH`` writes JSON (``decode_step_ms``, ``gemm_floor_ms``).
+The floor is a loop of ``F.linear`` over the model's weights (q/k/v and gate/up packed, as the model
+runs them) for the same 32 tokens, plus the lm_head; ``packed_gemm_floor_ms`` is the same loop with
+loraplex's oneDNN-packed weights (``loraplex.ops.dense``). Everything else the step does (embedding,
+norms, rotary, KV writes and gathers, attention, metadata) is overhead. All are timed interleaved in
+one run (this host drifts 20-50 % between runs). Prints a table; ``--out PATH`` writes JSON
+(``decode_step_ms``, ``gemm_floor_ms``, ``packed_gemm_floor_ms``).
 
     .venv/bin/python benchmarks/decode_step.py [--batch 32] [--context 100] [--iters 10]
 """
@@ -18,26 +20,12 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
+from benchmarks.common import matmul_floors
 from loraplex.engine.kv_cache import BlockAllocator, KVCache
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.models.embedded import embedded_checkpoint
 from loraplex.models.loader import load_model
-
-
-def gemm_floor(model: torch.nn.Module, batch: int) -> None:
-    """The step's matmuls alone: every packed projection of every layer, then the lm_head."""
-    cfg = model.config
-    x = torch.randn(batch, cfg.hidden_size)
-    attn_out = torch.randn(batch, cfg.num_heads * cfg.head_dim)
-    act = torch.randn(batch, cfg.intermediate_size)
-    for layer in model.layers:
-        F.linear(x, layer.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.bias)
-        F.linear(attn_out, layer.self_attn.o_proj.weight)
-        F.linear(x, layer.mlp.gate_up_proj.weight)
-        F.linear(act, layer.mlp.down_proj.weight)
-    F.linear(x, model.lm_head_weight)
 
 
 def main() -> None:
@@ -62,32 +50,27 @@ def main() -> None:
     tokens = torch.randint(0, cfg.vocab_size, (args.batch,)).tolist()
     entries = [StepEntry((tok,), s, t) for tok, s, t in zip(tokens, starts, tables, strict=True)]
     runner = ModelRunner(model, kv, block_size)
-    step_ms, floor_ms = [], []
+    loops = {"decode_step": lambda: runner.execute(entries, None), **matmul_floors(model, args.batch)}
+    times: dict[str, list[float]] = {name: [] for name in loops}
     with torch.inference_mode():
         for i in range(args.iters + 2):
-            t0 = time.perf_counter()
-            runner.execute(entries, None)
-            t1 = time.perf_counter()
-            gemm_floor(model, args.batch)
-            t2 = time.perf_counter()
-            if i >= 2:  # warm-up
-                step_ms.append((t1 - t0) * 1e3)
-                floor_ms.append((t2 - t1) * 1e3)
-    result = {
-        "batch": args.batch,
-        "context": args.context,
-        "threads": args.threads,
-        "load_average": os.getloadavg()[0],
-        "decode_step_ms": statistics.median(step_ms),
-        "gemm_floor_ms": statistics.median(floor_ms),
-    }
+            for name, loop in loops.items():
+                start = time.perf_counter()
+                loop()
+                if i >= 2:  # warm-up
+                    times[name].append((time.perf_counter() - start) * 1e3)
+    result = {"batch": args.batch, "context": args.context, "threads": args.threads,
+              "load_average": os.getloadavg()[0]}
+    result.update({f"{name}_ms": statistics.median(t) for name, t in times.items()})
     result["ratio"] = result["decode_step_ms"] / result["gemm_floor_ms"]
+    result["ratio_to_packed"] = result["decode_step_ms"] / result["packed_gemm_floor_ms"]
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cpus (load {load}), "
           f"torch {torch.__version__}, {args.threads} threads")
-    print(f"{'batch':>5} {'context':>7} {'decode_step_ms':>14} {'gemm_floor_ms':>13} {'ratio':>6}")
-    print(f"{args.batch:>5} {args.context:>7} {result['decode_step_ms']:>14.1f} "
-          f"{result['gemm_floor_ms']:>13.1f} {result['ratio']:>6.3f}")
+    print(f"{'batch':>5} {'context':>7} {'decode_step_ms':>14} {'gemm_floor_ms':>13} {'ratio':>6} "
+          f"{'packed_floor_ms':>15} {'ratio':>6}")
+    print(f"{args.batch:>5} {args.context:>7} {result['decode_step_ms']:>14.1f} {result['gemm_floor_ms']:>13.1f} "
+          f"{result['ratio']:>6.3f} {result['packed_gemm_floor_ms']:>15.1f} {result['ratio_to_packed']:>6.3f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

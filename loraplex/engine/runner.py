@@ -139,6 +139,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int) -> None:
         if block_size != kv_cache.block_size:
             raise ValueError(f"runner block_size {block_size} != KV cache block_size {kv_cache.block_size}")
+        model.pack_dense()  # the runner only runs inference: base weights go to the GEMM library's layout
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size

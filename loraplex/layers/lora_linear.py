@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from loraplex.adapters.batch_indices import LoRABatch
+from loraplex.ops.dense import dense_linear, pack_weight, unpack_weight
 from loraplex.ops.lora import Blocks, LoRACache, add_lora
 
 
@@ -58,6 +59,20 @@ class LoRALinear(nn.Module):
         self.slot_ranks = [0] * max_loras  # packed rank R_s per slot; 0 = slot empty for this layer
         self.slot_blocks: list[Blocks] = [()] * max_loras  # per slot: B's (out, rank) block per projection
         self.lora_cache = LoRACache()  # weight views and per-batch plan; cleared on every slot write
+        # oneDNN-packed copy of ``weight`` once ``pack_dense()`` ran (``weight`` is then None)
+        self.packed_weight: torch.Tensor | None = None
+
+    def pack_dense(self) -> None:
+        """Reorder the base weight once for the CPU GEMM library and drop the plain copy (a no-op where
+        ``ops.dense`` does not pack, or when already packed). Call after the weights are loaded."""
+        if self.packed_weight is None and self.weight is not None:
+            self.packed_weight = pack_weight(self.weight)
+            if self.packed_weight is not None:
+                self.weight = None
+
+    def dense_weight(self) -> torch.Tensor:
+        """The base weight ``[sum(out), in]``, plain (a copy if packed)."""
+        return unpack_weight(self.packed_weight) if self.weight is None else self.weight
 
     def set_slot(self, slot: int, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write one adapter into ``slot``. ``pairs[name] = (A [r, in], B [out, r])``, B scale-folded."""
@@ -87,7 +102,7 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         # x: [T, in] -> [T, sum(out)]
-        y = nn.functional.linear(x, self.weight, self.bias)
+        y = dense_linear(x, self.weight, self.packed_weight, self.bias)
         if lora is not None and lora.has_lora:
             add_lora(y, x, self.lora_a, self.lora_b, self.slot_ranks, lora, slot_blocks=self.slot_blocks,
                      cache=self.lora_cache)

@@ -21,6 +21,7 @@ from loraplex.layers.lora_linear import LoRALinear
 from loraplex.models.adapter_slots import AdapterModules, write_adapter_slot
 from loraplex.models.attention import AttentionMetadata, paged_attention
 from loraplex.models.rotary import RotaryEmbedding, apply_rotary
+from loraplex.ops.dense import dense_linear, pack_weight
 
 
 class RMSNorm(nn.Module):
@@ -115,6 +116,16 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             self.lm_head.weight.requires_grad_(False)
         self.rotary = RotaryEmbedding(cfg, device)
+        # oneDNN-packed lm_head once ``pack_dense()`` ran; the plain one stays (tied: the embedding reads it)
+        self.lm_head_packed: torch.Tensor | None = None
+
+    def pack_dense(self) -> None:
+        """Pack every base matmul's weight for the CPU GEMM library (``loraplex.ops.dense``); idempotent."""
+        for layer in self.layers:
+            for linear in layer.adapted():
+                linear.pack_dense()
+        if self.lm_head_packed is None:
+            self.lm_head_packed = pack_weight(self.lm_head_weight)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -134,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden + layer.self_attn(layer.input_layernorm(hidden), cos, sin, attn, kv.kv[i], lora)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden), lora)
         last = self.norm(hidden.index_select(0, logits_rows))  # [S, hidden]
-        return F.linear(last, self.lm_head_weight).float()  # [S, vocab]
+        return dense_linear(last, self.lm_head_weight, self.lm_head_packed).float()  # [S, vocab]
 
     def set_slot(self, slot: int, weights: AdapterModules) -> None:
         """Write an adapter (duck-typed ``AdapterWeights``: ``.modules[(layer, proj)] = (A, B)``) into
