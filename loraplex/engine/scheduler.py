@@ -8,8 +8,12 @@ Policy, once per step:
    (``max_num_batched_tokens``) and the KV cache allow, and only if their adapter can be pinned in a
    device slot. One whose adapter cannot be placed yet stays queued while younger requests whose
    adapters fit go ahead, so the batch stays full. No starvation: once the oldest waiting request
-   has waited ``max_skip_steps`` steps, admission becomes strictly first-come-first-served, so the
-   pins held by running requests drain and its adapter is placed next.
+   has waited ``max_skip_steps`` steps, admission turns strict: it still goes oldest first and places
+   adapters in free or unpinned slots, but after the first request that cannot be placed, only
+   *ride-alongs* are admitted: requests without an adapter, or whose adapter is already pinned by
+   running requests and whose ``max_tokens`` left is no more than theirs. A ride-along never delays
+   the moment a slot drains, so the pinned slots empty and the blocked request is placed next, while
+   the batch stays as full as that allows (all requests of the placed adapters join together).
 Prefill and decode share a step; a prompt longer than the remaining budget is prefilled in chunks.
 """
 
@@ -75,6 +79,7 @@ class Scheduler:
     def _admit(self, budget: int) -> list[ScheduledRequest]:
         admitted: list[ScheduledRequest] = []
         strict = bool(self.waiting) and self.step_count - self.waiting[0].arrival_step > self.config.max_skip_steps
+        blocked = False  # strict mode met a request whose adapter cannot be placed: only ride-alongs now
         for request in list(self.waiting):
             if len(self.running) >= self.config.max_num_seqs or budget <= 0:
                 break
@@ -82,11 +87,12 @@ class Scheduler:
             blocks = self._blocks_for(n)
             if not self.allocator.can_allocate(blocks):
                 break  # the cache is full for everyone behind it too
+            if blocked and not self._rides_along(request):
+                continue
             if request.adapter_id is not None and not request.pinned:
                 # One locked ask-and-do: a concurrent load cannot slip between the two.
                 if self.adapters.try_acquire(request.adapter_id) is None:
-                    if strict:
-                        break
+                    blocked = blocked or strict
                     continue
                 request.pinned = True
             request.block_table = self.allocator.allocate(blocks)
@@ -96,6 +102,15 @@ class Scheduler:
             admitted.append(ScheduledRequest(request, 0, n))
             budget -= n
         return admitted
+
+    def _rides_along(self, request: Request) -> bool:
+        """Whether ``request`` may go ahead of a starving one without delaying it: it needs no adapter, or
+        its adapter is pinned by running requests and it will not outlast them (the slot frees no later)."""
+        if request.adapter_id is None:
+            return True
+        horizon = max((r.params.max_tokens - len(r.output_token_ids) for r in self.running
+                       if r.adapter_id == request.adapter_id), default=None)
+        return horizon is not None and request.params.max_tokens - len(request.output_token_ids) <= horizon
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
