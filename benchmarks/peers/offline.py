@@ -11,7 +11,8 @@ Workloads (adapters rank 8/16 alternating, all seven projections, PEFT format):
 
 For each workload every system is started and warmed up (the whole workload with 4 tokens), then the
 timed runs interleave the systems (order rotated each repeat). tok/s = generated tokens / wall time
-of the ``generate`` call. A system that fails is reported with its error. Token ids of the first
+of the ``generate`` call. ``run_all.sh`` binds this process's OpenMP threads to cores 0-1, as vLLM
+binds its own (``VLLM_CPU_OMP_THREADS_BIND``). A system that fails is reported with its error. Token ids of the first
 timed run go to the JSON for ``crosscheck.py``.
 
     .venv/bin/python -m benchmarks.peers.offline [--repeats 2] [--only base,mixed8] [--systems ...]
@@ -111,6 +112,7 @@ def run_workload(w: Workload, prompts: list[list[int]], all_adapters: dict, peft
                 continue
             generated = sum(len(t) for t in run.token_ids)
             peer.setdefault("tok_s_runs", []).append(generated / run.seconds)
+            peer.setdefault("load_avg_1min", []).append(round(os.getloadavg()[0], 2))
             peer.setdefault("token_ids", run.token_ids)
             peer["deterministic"] = peer.get("deterministic", True) and run.token_ids == peer["token_ids"]
             logging.info("%s %s run %d: %.1f tok/s (%d tokens in %.1f s)", w.key, name, r, generated / run.seconds,

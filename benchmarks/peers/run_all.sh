@@ -8,6 +8,9 @@ PY=.venv/bin/python
 PEERS_PY="${VLLM_VENV:-.venv-vllm}/bin/python"
 bash benchmarks/peers/setup_peers.sh
 mkdir -p benchmarks/results
+# Every system on the same two cores with bound OpenMP threads: vLLM binds its own to 0-1
+# (VLLM_CPU_OMP_THREADS_BIND in shared.VLLM_ENV); loraplex, PEFT and HF get the same binding here.
+export GOMP_CPU_AFFINITY="${GOMP_CPU_AFFINITY:-0 1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 # shellcheck disable=SC2086
 $PY -m benchmarks.peers.offline ${OFFLINE_ARGS:-}
 $PY -m benchmarks.peers.crosscheck

