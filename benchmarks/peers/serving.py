@@ -11,7 +11,7 @@ and records throughput, TTFT and TPOT p50/p90/p99 and errors.
 A system *sustains* a rate when it completes every request and keeps up with the arrivals:
 completed / (last completion - first arrival - median latency) >= 0.9 x the realised arrival rate.
 
-    .venv/bin/python -m benchmarks.peers.serving [--rates 0.25,0.5,1,2] [--duration 40]
+    .venv/bin/python -m benchmarks.peers.serving [--rates 0.5,1,2,3] [--duration 30]
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def sustains(point: dict) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=shared.RESULTS / "serving.json")
-    parser.add_argument("--rates", default="0.25,0.5,1,2", help="Poisson arrival rates, requests/s")
-    parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per point")
+    parser.add_argument("--rates", default="0.5,1,2,3", help="Poisson arrival rates, requests/s")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per point")
     parser.add_argument("--scenarios", default=",".join(f"{d}-{n}" for d, n in SCENARIOS))
     parser.add_argument("--systems", default="loraplex,vllm")
     parser.add_argument("--tokens", type=int, default=shared.NEW_TOKENS, help="new tokens per request")
