@@ -137,11 +137,16 @@ class EngineConfig:
     max_skip_steps: int = 64
     # Check invariant 1 (each token's slot holds the adapter its request asked for) every step.
     debug_checks: bool = False
+    # CPU threads for torch's kernels (torch.set_num_threads, process-wide); None keeps torch's default
+    # (one per core). On a shared host, fewer threads than busy cores avoids OpenMP oversubscription.
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("max_loras", "max_cpu_loras", "max_lora_rank", "max_num_seqs", "block_size"):
             if getattr(self, field) < 1:
                 raise ValueError(f"EngineConfig.{field} must be >= 1, got {getattr(self, field)}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"EngineConfig.num_threads must be >= 1 or None, got {self.num_threads}")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"EngineConfig.max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from loraplex import LLM, SamplingParams
-from loraplex.cli import build_parser, main
+from loraplex.cli import build_parser, engine_config, main
 
 
 def test_serve_defaults() -> None:
@@ -31,6 +32,12 @@ def test_repeated_adapters_and_roots() -> None:
     assert (args.adapter_root, args.allow_runtime_adapters, args.port) == (["/r1", "/r2"], True, 9)
 
 
+def test_threads_flag_reaches_the_engine_config() -> None:
+    parser = build_parser()
+    assert engine_config(parser.parse_args(["serve", "--threads", "1"]), parser).num_threads == 1
+    assert engine_config(parser.parse_args(["serve"]), parser).num_threads is None
+
+
 @pytest.mark.parametrize("argv", [
     ["serve", "--adapter", "no-equals-sign"],
     ["serve", "--adapter", "=path"],
@@ -38,6 +45,7 @@ def test_repeated_adapters_and_roots() -> None:
     ["serve", "--max-loras", "8", "--max-cpu-loras", "2"],
     ["serve", "--max-loras", "0"],
     ["serve", "--port", "eighty"],
+    ["serve", "--threads", "0"],
     ["generate"],
 ])
 def test_bad_arguments_are_clean_argparse_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -121,3 +129,12 @@ def test_embedded_model_serves_the_demo_adapters_by_default(tiny_llama: Path) ->
     assert startup_adapters(parser.parse_args(["serve", "--no-demo-adapters"])) == []
     assert startup_adapters(parser.parse_args(["serve", "--adapter", "x=/a"])) == [("x", "/a")]
     assert startup_adapters(parser.parse_args(["serve", "--model", str(tiny_llama)])) == []
+
+
+def test_num_threads_sets_torch_threads(tiny_llama: Path) -> None:
+    before = torch.get_num_threads()
+    try:
+        LLM(model=str(tiny_llama), num_threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

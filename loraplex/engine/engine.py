@@ -65,6 +65,8 @@ class Engine:
         self.model_name = config.model if not Path(config.model).is_dir() else Path(config.model).name
         self.model_config = ModelConfig.from_hf(folder)
         self.device, self.dtype = _pick_device(config)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self.model = load_model(folder, self.model_config, config.max_loras, config.max_lora_rank,
                                 self.dtype, self.device)
         self.tokenizer: PreTrainedTokenizerBase | None = (
