@@ -8,7 +8,10 @@ max_loras=32; (d) 128 requests over 32 adapters (4 each, shuffled), max_loras=8,
 decode step (``decode_step_ms``): ``gemm_floor_ms`` with ``F.linear`` (what HF runs) and
 ``packed_gemm_floor_ms`` with loraplex's oneDNN-packed weights.
 
-    python benchmarks/throughput.py [--out results.json] [--tokens 64]
+Every engine is built first and stays up; then ``--repeats`` rounds run every workload in turn
+(interleaved, so host drift hits all alike) and the table reports the median and the range.
+
+    python -m benchmarks.throughput [--out results.json] [--tokens 64] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import random
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -69,9 +73,9 @@ def make_llm(**kwargs) -> LLM:  # noqa: ANN003
     return llm
 
 
-def gemm_floor_ms(llm: LLM, batch: int = 32, repeats: int = 5) -> dict[str, float]:
+def gemm_floor_ms(model: torch.nn.Module, batch: int = 32, repeats: int = 5) -> dict[str, float]:
     """One decode step's matmuls alone, ``F.linear`` on plain weights and loraplex's packed kernels."""
-    loops = matmul_floors(llm.engine.model, batch)
+    loops = matmul_floors(model, batch)
     times: dict[str, list[float]] = {name: [] for name in loops}
     with torch.inference_mode():
         for i in range(repeats + 1):
@@ -98,10 +102,26 @@ def hf_generate_tok_s(prompts: list[list[int]], tokens: int, pad_id: int) -> flo
     return (out.shape[1] - width) * len(prompts) / elapsed
 
 
+@dataclass
+class Workload:
+    key: str
+    label: str
+    adapters: list[str | None]  # one per request; None = base model
+    config: dict
+    llm: LLM | None = None
+    runs: list[dict] = field(default_factory=list)
+
+
+def median_of(runs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in runs if r[key] is not None]
+    return statistics.median(values) if values else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over all workloads (median)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -109,43 +129,46 @@ def main() -> None:
     model_config = ModelConfig.from_hf(base)
     root = Path(tempfile.mkdtemp(prefix="loraplex-bench-"))
     adapters = {f"a{i}": write_random_adapter(root / f"a{i}", model_config, rank=16, seed=i) for i in range(32)}
-    results: dict[str, float | None | str] = {"machine": machine_line()}
-    rows = []
-
-    def workload(key: str, label: str, n: int, names: list[str | None], **cfg) -> None:  # noqa: ANN003
-        llm = make_llm(**cfg)
-        for name in sorted({a for a in names if a}):
-            llm.load_adapter(name, adapters[name])
-        if key == "base":
-            results.update(gemm_floor_ms(llm))
-        prompts = chat_prompts(llm.tokenizer, n)
-        r = timed_generate(llm, prompts, names, args.tokens)
-        results[f"{key}_tok_s"] = r["tok_s"]
-        if key == "base":
-            results["decode_step_ms"] = r["decode_step_ms"]
-        rows.append((label, r["tok_s"], r["decode_step_ms"]))
-        del llm
-        gc.collect()
-
     shuffled = [f"a{i % 32}" for i in range(128)]
     random.Random(0).shuffle(shuffled)
-    workload("base", "(a) 32 req, base", 32, [None] * 32, max_loras=8)
-    workload("mixed8", "(b) 32 req / 8 adapters, 8 slots", 32, [f"a{i % 8}" for i in range(32)], max_loras=8)
-    workload("mixed32", "(c) 32 req / 32 adapters, 32 slots", 32, [f"a{i}" for i in range(32)],
-             max_loras=32, max_cpu_loras=32)
-    workload("churn", "(d) 128 req / 32 adapters, 8 slots", 128, shuffled, max_loras=8, max_cpu_loras=32,
-             max_num_seqs=32)
-    workload("churn_base", "(d0) 128 req, base", 128, [None] * 128, max_loras=8, max_num_seqs=32)
-    workload("batch1", "(f) 1 request alone", 1, [None], max_loras=1)
-    pad = chat_prompts(make_llm(max_loras=1).tokenizer, 32)
-    results["hf_tok_s"] = hf_generate_tok_s(pad, args.tokens, pad_id=2)
-    rows.insert(5, ("(e) HF generate, batch 32, base", results["hf_tok_s"], None))
+    workloads = [
+        Workload("base", "(a) 32 req, base", [None] * 32, {"max_loras": 8}),
+        Workload("mixed8", "(b) 32 req / 8 adapters, 8 slots", [f"a{i % 8}" for i in range(32)], {"max_loras": 8}),
+        Workload("mixed32", "(c) 32 req / 32 adapters, 32 slots", [f"a{i}" for i in range(32)],
+                 {"max_loras": 32, "max_cpu_loras": 32}),
+        Workload("churn", "(d) 128 req / 32 adapters, 8 slots", shuffled,
+                 {"max_loras": 8, "max_cpu_loras": 32, "max_num_seqs": 32}),
+        Workload("churn_base", "(d0) 128 req, base", [None] * 128, {"max_loras": 8, "max_num_seqs": 32}),
+        Workload("batch1", "(f) 1 request alone", [None], {"max_loras": 1}),
+    ]
+    for w in workloads:  # every engine stays up, so the rounds below interleave the workloads
+        w.llm = make_llm(**w.config)
+        for name in sorted({a for a in w.adapters if a}):
+            w.llm.load_adapter(name, adapters[name])
+    tokenizer = workloads[0].llm.tokenizer
+    results: dict = {"machine": machine_line(), "repeats": args.repeats,
+                     **gemm_floor_ms(workloads[0].llm.engine.model)}
+    hf_runs = []
+    for _ in range(args.repeats):
+        for w in workloads:
+            w.runs.append(timed_generate(w.llm, chat_prompts(tokenizer, len(w.adapters)), w.adapters, args.tokens))
+        hf_runs.append(hf_generate_tok_s(chat_prompts(tokenizer, 32), args.tokens, pad_id=2))
+        gc.collect()
+    rows = []
+    for w in workloads:
+        results[f"{w.key}_tok_s"] = median_of(w.runs, "tok_s")
+        results[f"{w.key}_tok_s_runs"] = [r["tok_s"] for r in w.runs]
+        rows.append((w.label, results[f"{w.key}_tok_s"], min(results[f"{w.key}_tok_s_runs"]),
+                     max(results[f"{w.key}_tok_s_runs"]), median_of(w.runs, "decode_step_ms")))
+    results["decode_step_ms"] = median_of(workloads[0].runs, "decode_step_ms")
+    results["hf_tok_s"], results["hf_tok_s_runs"] = statistics.median(hf_runs), hf_runs
+    rows.insert(5, ("(e) HF generate, batch 32, base", results["hf_tok_s"], min(hf_runs), max(hf_runs), None))
     results["peak_rss_mib"] = peak_rss_mib()
 
-    print(f"\n{results['machine']}\n")
-    print(f"{'workload':40s} {'tok/s':>9s} {'decode step ms':>15s}")
-    for label, tok_s, step_ms in rows:
-        print(f"{label:40s} {tok_s:9.1f} {'' if step_ms is None else f'{step_ms:.1f}':>15}")
+    print(f"\n{results['machine']}, median of {args.repeats} interleaved rounds\n")
+    print(f"{'workload':40s} {'tok/s':>9s} {'range':>13s} {'decode step ms':>15s}")
+    for label, tok_s, lo, hi, step_ms in rows:
+        print(f"{label:40s} {tok_s:9.1f} {f'{lo:.0f}-{hi:.0f}':>13s} {'' if step_ms is None else f'{step_ms:.1f}':>15}")
     b = results["base_tok_s"]
     print(f"\n(b)/(a) {results['mixed8_tok_s'] / b:.2f}  (target >= 0.90)")
     print(f"(c)/(a) {results['mixed32_tok_s'] / b:.2f}  (target >= 0.80)")
@@ -156,7 +179,7 @@ def main() -> None:
     print(f"decode_step_ms / packed_gemm_floor_ms = {results['decode_step_ms']:.1f} / "
           f"{results['packed_gemm_floor_ms']:.1f} = {results['decode_step_ms'] / results['packed_gemm_floor_ms']:.2f}"
           "  (loraplex's own oneDNN matmuls)")
-    print(f"peak RSS {results['peak_rss_mib']:.0f} MiB")
+    print(f"peak RSS {results['peak_rss_mib']:.0f} MiB (all engines and the HF model in one process)")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2))

@@ -5,8 +5,8 @@ Threads, and what each one does:
 - the **event loop** (HTTP handlers) submits requests, consumes their outputs, and aborts a request
   whose consumer went away (cancelled task, closed iterator, disconnected client);
 - ONE **step thread** calls ``engine.step()`` while the engine has work and sleeps on a
-  ``threading.Event`` otherwise; it hands each ``RequestOutput`` to its request's ``asyncio.Queue``
-  through ``loop.call_soon_threadsafe``;
+  ``threading.Event`` otherwise; it hands each step's ``RequestOutput`` s to their requests'
+  ``asyncio.Queue`` s through one ``loop.call_soon_threadsafe`` per step;
 - **worker threads** (``asyncio.to_thread``) run adapter loads and unloads, which read and
   validate files: neither the event loop nor the step thread ever waits on disk.
 
@@ -184,9 +184,7 @@ class AsyncEngine:
             for out in outputs:
                 if out.finished:
                     self._streams.pop(out.request_id, None)
-        for stream, out in targets:
-            if stream is not None:
-                self._send(stream, out)
+        self._send([(stream, out) for stream, out in targets if stream is not None])
 
     def _fail_all(self, exc: Exception) -> None:
         with self._lock:
@@ -194,11 +192,22 @@ class AsyncEngine:
             self._streams.clear()
         for stream in streams:
             self.engine.abort_request(stream.request_id)
-            self._send(stream, exc)
+        self._send([(stream, exc) for stream in streams])
 
     @staticmethod
-    def _send(stream: RequestStream, item: RequestOutput | BaseException) -> None:
-        try:
-            stream.loop.call_soon_threadsafe(stream.put, item)
-        except RuntimeError:  # the consumer's event loop is closed
-            logger.debug("dropping output for %s: its event loop is closed", stream.request_id)
+    def _send(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+        """Hand a step's items to their streams: ONE ``call_soon_threadsafe`` per event loop, so the step
+        thread wakes each loop once per step rather than once per request (less GIL ping-pong)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput | BaseException]]] = {}
+        for stream, item in items:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the consumers' event loop is closed
+                logger.debug("dropping %d outputs: their event loop is closed", len(batch))
+
+
+def _put_all(batch: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    for stream, item in batch:
+        stream.put(item)
