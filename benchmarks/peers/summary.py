@@ -128,7 +128,8 @@ def markdown(summary: dict, labels: dict[str, str]) -> str:
     lines += ["", "| target | goal | value | verdict |", "|---|---|---|---|"]
     for t in summary["targets"]:
         verdict = {True: "met", False: "**missed**", None: "-"}[t["met"]]
-        lines.append(f"| {t['target']} | {t['goal']} | {t['value']} | {verdict} |")
+        cells = (str(c).replace("|", "\\|") for c in (t["target"], t["goal"], t["value"]))
+        lines.append("| " + " | ".join(cells) + f" | {verdict} |")
     return "\n".join(lines) + "\n"
 
 
