@@ -33,6 +33,10 @@ def test_churn(tiny_llama: Path, twenty: dict[str, Path]) -> None:
         adapter = rng.choice([*names, None])
         params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=0.0, ignore_eos=True)
         requests.append((f"r{i}", prompt, params, adapter))
+    # A final burst that must preempt whatever the timing of background adapter reads: 8 base requests
+    # admitted in one step into the drained cache (3 blocks each, 24 of 28) that each grow to 6 blocks.
+    burst = [(f"b{i}", [rng.randrange(3, 49152) for _ in range(12)],
+              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), None) for i in range(8)]
 
     llm = LLM(model=str(tiny_llama), max_loras=3, max_cpu_loras=6, max_num_seqs=8, kv_cache_blocks=28,
               block_size=4, debug_checks=True)
@@ -42,12 +46,14 @@ def test_churn(tiny_llama: Path, twenty: dict[str, Path]) -> None:
         llm.load_adapter(name, twenty[name])
     results: dict[str, RequestOutput] = {}
     rejected: set[str] = set()
-    pending = list(requests)
+    pending = [[r] for r in requests] + [burst]  # one batch of submissions per step
+    requests += burst
     step = 0
     while pending or engine.has_unfinished_requests():
         step += 1
-        if pending:
-            rid, prompt, params, adapter = pending.pop(0)
+        # the burst goes in once the engine has drained, so all 8 are admitted together
+        ready = bool(pending) and (pending[0] is not burst or not engine.has_unfinished_requests())
+        for rid, prompt, params, adapter in pending.pop(0) if ready else ():
             try:
                 engine.add_request(rid, prompt, params, adapter)
             except UnknownAdapter:
