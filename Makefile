@@ -33,6 +33,7 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV)

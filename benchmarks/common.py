@@ -18,9 +18,6 @@ from loraplex.config import PROJECTIONS, ModelConfig
 from loraplex.layers.lora_linear import LoRALinear
 from loraplex.ops.dense import dense_linear
 
-_MODULE_PATH = {name: ("self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp")
-                for name in PROJECTIONS}
-
 QUESTIONS = [
     "Explain in two sentences why the sky is blue.", "Write a short poem about a lighthouse at night.",
     "What are three tips for learning a new language?", "Describe how a bicycle works to a child.",
@@ -39,8 +36,9 @@ def write_random_adapter(folder: Path, model_config: ModelConfig, rank: int, see
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(model_config.num_layers):
-        for name, (fan_in, fan_out) in model_config.projection_shapes().items():
-            prefix = f"base_model.model.model.layers.{layer}.{_MODULE_PATH[name]}.{name}"
+        for name, projection in model_config.projections().items():
+            fan_in, fan_out = projection.in_features, projection.out_features
+            prefix = f"base_model.model.model.layers.{layer}.{projection.parent}.{name}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * b_std
     folder.mkdir(parents=True, exist_ok=True)

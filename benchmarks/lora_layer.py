@@ -31,9 +31,9 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from loraplex.adapters.batch_indices import BatchMapping, LoRABatch, build_lora_batch
 from loraplex.layers.lora_linear import LoRALinear
 from loraplex.ops.lora import add_lora
+from loraplex.ops.lora_batch import BatchMapping, LoRABatch, build_lora_batch
 
 HIDDEN, KV, INTER, RANK, MAX_LORAS = 576, 192, 1536, 16, 32
 LAYERS = (  # in_features, out_features, names

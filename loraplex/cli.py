@@ -10,7 +10,6 @@ from collections.abc import Sequence
 
 from loraplex.config import EngineConfig
 from loraplex.errors import LoraplexError
-from loraplex.integrations import ray_cli
 
 logger = logging.getLogger("loraplex.cli")
 
@@ -68,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     ray = sub.add_parser("serve-ray", help="serve the HTTP API from N engine replicas on Ray Serve (loraplex[ray])")
     _engine_args(ray)
+    from loraplex.integrations import ray_cli  # its flags; Ray itself is imported only when serve-ray runs
+
     ray_cli.add_arguments(ray)
     return parser
 
@@ -136,6 +137,8 @@ def generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
 
 def serve_ray(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from loraplex.integrations import ray_cli
+
     ray_cli.serve_ray(args, engine_config(args, parser), parser)
 
 

@@ -3,16 +3,37 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from loraplex.errors import ModelError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
-# The seven adapted projections of a Llama-family block, in a fixed order.
+# The seven adapted projections of a Llama-style block, in a fixed order (families with other
+# projections declare their own through ``ModelConfig.projections``).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One adaptable linear layer of a decoder block: ``layers.N.<parent>.<name>`` in HF and PEFT names."""
+
+    parent: str  # "self_attn" or "mlp"
+    in_features: int
+    out_features: int
+
+
+def read_hf_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """An HF ``config.json`` as a dict: given as a dict, a file, or a folder holding one."""
+    if isinstance(source, Mapping):
+        return dict(source)
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ModelError(f"{path}: no config.json")
+    return json.loads(path.read_text())
 
 
 @dataclass(frozen=True)
@@ -25,9 +46,33 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
 
+    TYPES: ClassVar[tuple[str, ...]] = ("default", "linear", "dynamic", "llama3")
+
+    @classmethod
+    def from_hf(cls, raw: Mapping[str, Any]) -> RopeScaling:
+        scaling = _rope_parameters(raw)
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in cls.TYPES:
+            raise ModelError(f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(cls.TYPES)}")
+        return cls(
+            rope_type=rope_type,
+            factor=float(scaling.get("factor", 1.0)),
+            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                scaling.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))),
+        )
+
+
+def _rope_parameters(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    """transformers >= 5 writes ``rope_parameters`` (theta included); older files ``rope_scaling``."""
+    return raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The fields every family's code reads; a family subclasses it for its own (see ``normalise``)."""
+
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -46,34 +91,22 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_hf(cls, source: str | Path | dict[str, Any]) -> ModelConfig:
-        """Normalise an HF ``config.json`` (a dict, a file or a folder holding one)."""
-        if isinstance(source, dict):
-            raw = source
-        else:
-            path = Path(source)
-            if path.is_dir():
-                path = path / "config.json"
-            if not path.is_file():
-                raise ModelError(f"{path}: no config.json")
-            raw = json.loads(path.read_text())
+    def from_hf(cls, source: str | Path | Mapping[str, Any]) -> ModelConfig:
+        """Normalise an HF ``config.json`` (a dict, a file or a folder holding one). Which class to use
+        for an architecture is the model registry's business (``loraplex.models.registry.model_config``)."""
+        return cls(**cls.normalise(read_hf_config(source)))
+
+    @classmethod
+    def normalise(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
+        """The constructor's keyword arguments from a raw HF config; a family's subclass extends this with
+        its own fields (``{**super().normalise(raw), "sliding_window": ...}``)."""
         archs = raw.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        # transformers >= 5 writes `rope_parameters` (theta included); older files `rope_scaling`.
-        scaling = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type not in ("default", "linear", "dynamic", "llama3"):
-            raise ModelError(f"unsupported rope_scaling type {rope_type!r}")
-        return cls(
-            architecture=arch,
+        return dict(
+            architecture=archs[0],
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
@@ -82,36 +115,29 @@ class ModelConfig:
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(raw.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", scaling.get("rope_theta", 10000.0))),
-            rope_scaling=RopeScaling(
-                rope_type=rope_type,
-                factor=float(scaling.get("factor", 1.0)),
-                low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-                high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-                original_max_position_embeddings=int(
-                    scaling.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
-                ),
-            ),
+            rope_theta=float(raw.get("rope_theta", _rope_parameters(raw).get("rope_theta", 10000.0))),
+            rope_scaling=RopeScaling.from_hf(raw),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=bool(raw.get("attention_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
 
-    def projection_shapes(self) -> dict[str, tuple[int, int]]:
-        """Adapted projection name -> (in_features, out_features)."""
+    def projections(self) -> dict[str, Projection]:
+        """Adaptable projection name -> where it sits and its shape (a Llama-style block's seven;
+        families with fused or other projections override this)."""
         q_out = self.num_heads * self.head_dim
         kv_out = self.num_kv_heads * self.head_dim
         h, i = self.hidden_size, self.intermediate_size
         return {
-            "q_proj": (h, q_out),
-            "k_proj": (h, kv_out),
-            "v_proj": (h, kv_out),
-            "o_proj": (q_out, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
+            "q_proj": Projection("self_attn", h, q_out),
+            "k_proj": Projection("self_attn", h, kv_out),
+            "v_proj": Projection("self_attn", h, kv_out),
+            "o_proj": Projection("self_attn", q_out, h),
+            "gate_proj": Projection("mlp", h, i),
+            "up_proj": Projection("mlp", h, i),
+            "down_proj": Projection("mlp", i, h),
         }
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from loraplex.adapters.batch_indices import LoRABatch
 from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.models.loader import load_model
+from loraplex.ops.lora_batch import LoRABatch
 
 # Logits tolerance: max |ours - ref| <= REL * max |ref| (float32 throughout).
 REL = 1e-4

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from loraplex import LLM, SamplingParams
-from loraplex.adapters.batch_indices import BatchMapping, LoRABatch, build_lora_batch
 from loraplex.engine.engine import Engine
 from loraplex.engine.request import RequestOutput
+from loraplex.ops.lora_batch import BatchMapping, LoRABatch, build_lora_batch
 from tests.fixtures import write_peft_adapter
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

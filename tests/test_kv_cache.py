@@ -84,4 +84,3 @@ def test_cache_layout_and_size() -> None:
     assert per_block * 6 == kv.nbytes
     assert per_block == 2 * cfg.num_layers * 4 * cfg.num_kv_heads * cfg.head_dim * 4
     assert KVCache.bytes_per_block(cfg, 4, torch.bfloat16) * 2 == per_block
-    assert KVCache.num_blocks_for_bytes(cfg, 4, torch.float32, per_block * 7 + 1) == 7

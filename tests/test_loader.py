@@ -13,11 +13,11 @@ from safetensors.torch import load_file, save_file
 from loraplex.config import ModelConfig
 from loraplex.errors import ModelError
 from loraplex.models.loader import load_model
-from loraplex.models.registry import model_class, supported_architectures
+from loraplex.models.registry import model_class, model_config, supported_architectures
 
 
 def load(folder: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    return load_model(folder, ModelConfig.from_hf(folder), 2, 8, dtype, "cpu")
+    return load_model(folder, model_config(folder), 2, 8, dtype, "cpu")
 
 
 def copy_with(src: Path, dst: Path, shards: list[dict[str, torch.Tensor]]) -> Path:
@@ -92,8 +92,23 @@ def test_unsupported_architecture_is_named(tmp_path: Path, tiny_llama: Path) -> 
     raw = json.loads((tiny_llama / "config.json").read_text())
     raw["architectures"] = ["FalconForCausalLM"]
     with pytest.raises(ModelError, match="'FalconForCausalLM'"):
-        ModelConfig.from_hf(raw)
-    cfg = ModelConfig.from_hf(tiny_llama)
+        model_config(raw)
+    cfg = model_config(tiny_llama)
     bogus = type(cfg)(**{**cfg.__dict__, "architecture": "FalconForCausalLM"})
     with pytest.raises(ModelError, match="'FalconForCausalLM'"):
         load_model(tiny_llama, bogus, 2, 8, torch.float32, "cpu")
+
+
+def test_config_of_another_family_is_refused(tiny_llama: Path) -> None:
+    """A bare ``ModelConfig`` skips the family's normalisation (e.g. Qwen2's implicit q/k/v bias)."""
+    with pytest.raises(ModelError, match="needs a LlamaFamilyConfig"):
+        load_model(tiny_llama, ModelConfig.from_hf(tiny_llama), 2, 8, torch.float32, "cpu")
+
+
+def test_checkpoint_tensor_without_a_place_is_an_error(tmp_path: Path, tiny_llama: Path) -> None:
+    """A tensor the model does not read (e.g. a q_norm of another family) must not be dropped silently."""
+    tensors = load_file(str(tiny_llama / "model.safetensors"))
+    extra = copy_with(tiny_llama, tmp_path / "extra", [{**tensors, "model.layers.0.self_attn.q_norm.weight":
+                                                         torch.ones(16)}])
+    with pytest.raises(ModelError, match=r"1 tensors LlamaForCausalLM does not use: layers\.0\.self_attn\.q_norm"):
+        load(extra)

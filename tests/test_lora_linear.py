@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from loraplex.adapters.batch_indices import LORA_METHODS, BatchMapping, build_lora_batch
 from loraplex.layers.lora_linear import LoRALinear
 from loraplex.ops.lora import add_lora
+from loraplex.ops.lora_batch import LORA_METHODS, BatchMapping, build_lora_batch
 
 NAMES, OUTS, IN = ("q_proj", "k_proj", "v_proj"), (32, 16, 16), 40
 Pairs = dict[str, tuple[torch.Tensor, torch.Tensor]]

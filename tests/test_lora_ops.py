@@ -14,8 +14,8 @@ import zlib
 import pytest
 import torch
 
-from loraplex.adapters.batch_indices import LORA_METHODS, PADDED, SEGMENTS, BatchMapping, build_lora_batch
 from loraplex.ops.lora import BLOCKWISE_MIN_ROWS, add_lora
+from loraplex.ops.lora_batch import LORA_METHODS, PADDED, SEGMENTS, BatchMapping, build_lora_batch
 
 METHODS = (None, *LORA_METHODS)  # None = the batch's automatic choice
 POPULARITY = ("distinct", "uniform", "zipf", "identical", "all_none", "mixed_none")
@@ -169,7 +169,7 @@ def test_rank_zero_slots_add_nothing() -> None:
 
 def test_batch_plan_fields() -> None:
     # tokens: slot 2 x3, base x2, slot 0 x1, slot 2 x1, slot 0 x2
-    mapping = BatchMapping((7, 7, 7, None, None, 5, 7, 5, 5), (7, None, 5, 7, 5))
+    mapping = BatchMapping((7, 7, 7, None, None, 5, 7, 5, 5))
     batch = build_lora_batch(mapping, {5: 0, 7: 2}, slot_version=3)
     assert batch.runs == ((0, 3, 2), (5, 6, 0), (6, 7, 2), (7, 9, 0))
     assert batch.group_slots == (0, 2) and batch.order.tolist() == [5, 7, 8, 0, 1, 2, 6]

@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraplex.adapters import manager as manager_module
-from loraplex.adapters.batch_indices import BatchMapping, LoRABatch
 from loraplex.adapters.manager import AdapterManager
 from loraplex.adapters.peft_format import AdapterWeights, read_peft_adapter
 from loraplex.config import ModelConfig
 from loraplex.errors import AdapterAlreadyLoaded, AdapterContentChanged, UnknownAdapter
 from loraplex.layers.lora_linear import LoRALinear
+from loraplex.ops.lora_batch import BatchMapping, LoRABatch
 
 
 class RecordingWriter:
@@ -43,8 +43,9 @@ class LayerWriter:
     GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
     def __init__(self, mc: ModelConfig, max_loras: int, max_lora_rank: int) -> None:
-        shapes = mc.projection_shapes()
-        self.layers = [[LoRALinear(shapes[g[0]][0], tuple(shapes[n][1] for n in g), g, max_loras, max_lora_rank)
+        shapes = mc.projections()
+        self.layers = [[LoRALinear(shapes[g[0]].in_features, tuple(shapes[n].out_features for n in g), g, max_loras,
+                                   max_lora_rank)
                         for g in self.GROUPS] for _ in range(mc.num_layers)]
         for linear in (lin for layer in self.layers for lin in layer):
             linear.weight.data.zero_()
@@ -94,9 +95,9 @@ def test_seed_scenario(writer_kind: str, model_config: ModelConfig, tiny_llama_a
     assert ids == [1, 2, 3]
     assert (manager.acquire(1), manager.acquire(2)) == (0, 1)  # the two in-flight requests pin them
     assert manager.slot_table.slots == [1, 2]
-    mapping = BatchMapping(token_adapter_ids=(1, 2), seq_adapter_ids=(1, 2))
+    mapping = BatchMapping(token_adapter_ids=(1, 2))
     first = manager.lora_batch(mapping)
-    assert first.token_slots.tolist() == [0, 1] and first.seq_slots.tolist() == [0, 1]
+    assert first.token_slots.tolist() == [0, 1]
     assert manager.lora_batch(mapping) is first  # unchanged layout: the memo serves it
     version = manager.slot_table.version
 
@@ -107,7 +108,7 @@ def test_seed_scenario(writer_kind: str, model_config: ModelConfig, tiny_llama_a
     assert manager.acquire(1) == 1 and manager.acquire(2) == 0  # back in the batch: pure device hits
 
     second = manager.lora_batch(mapping)
-    assert second.token_slots.tolist() == [1, 0] and second.seq_slots.tolist() == [1, 0]
+    assert second.token_slots.tolist() == [1, 0]
     # A memo keyed on the mapping alone would have returned `first`: same mapping, stale slots.
     assert manager.slot_table.version == version + 3 == second.slot_version != first.slot_version
     assert first.token_slots.tolist() == [0, 1]
@@ -165,7 +166,7 @@ def test_versions_unload_and_reload(model_config: ModelConfig, tiny_llama_adapte
         manager.unload("x")
     assert isinstance(manager.failure(old.adapter_id), UnknownAdapter)
     assert not manager.can_acquire(old.adapter_id)  # queued requests of the old version fail
-    mapping = BatchMapping((old.adapter_id,), (old.adapter_id,))
+    mapping = BatchMapping((old.adapter_id,))
     assert manager.lora_batch(mapping).token_slots.tolist() == [0]  # the running one keeps its slot
     new = manager.load("x", tiny_llama_adapters["r2_qv"])
     assert new.adapter_id != old.adapter_id and manager.list() == [new]
@@ -185,14 +186,14 @@ def test_lora_batch_requires_pins_and_skips_base_only(model_config: ModelConfig,
                                                       tiny_llama_adapters: dict[str, Path]) -> None:
     manager = make_manager(model_config, max_loras=2, max_cpu_loras=2)
     a = manager.load("a", tiny_llama_adapters["r4_attn"]).adapter_id
-    assert manager.lora_batch(BatchMapping((None, None), (None,))) is None
+    assert manager.lora_batch(BatchMapping((None, None))) is None
     activate(manager, a)  # resident but unpinned
     with pytest.raises(RuntimeError, match=f"adapter {a} is in the batch mapping but holds no pin"):
-        manager.lora_batch(BatchMapping((None, a), (None, a)))
+        manager.lora_batch(BatchMapping((None, a)))
     manager.acquire(a)
-    mapping = BatchMapping((None, a, a), (None, a))
+    mapping = BatchMapping((None, a, a))
     batch = manager.lora_batch(mapping)
-    assert batch.token_slots.tolist() == [-1, 0, 0] and batch.seq_slots.tolist() == [-1, 0]
+    assert batch.token_slots.tolist() == [-1, 0, 0]
     manager.release(a)
     with pytest.raises(RuntimeError, match="holds no pin"):  # a memo hit is checked too
         manager.lora_batch(mapping)

@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from loraplex.adapters.batch_indices import BatchMapping, LoRABatch
 from loraplex.adapters.manager import AdapterManager
 from loraplex.config import ModelConfig
 from loraplex.errors import AdapterAlreadyLoaded, UnknownAdapter
+from loraplex.ops.lora_batch import BatchMapping, LoRABatch
 from tests.test_manager import RecordingWriter, make_manager
 
 
@@ -157,7 +157,6 @@ def test_manager_against_reference_model(tiny_llama: Path, tiny_llama_adapters: 
         def check_batch(self, mapping: BatchMapping, batch: LoRABatch) -> None:
             slot = {a: self.ref.slots.index(a) for a in self.pinned_ids()}
             assert batch.token_slots.tolist() == [-1 if a is None else slot[a] for a in mapping.token_adapter_ids]
-            assert batch.seq_slots.tolist() == [-1 if a is None else slot[a] for a in mapping.seq_adapter_ids]
             assert batch.slot_version == self.ref.version
 
         @invariant()
@@ -211,7 +210,7 @@ def test_concurrent_loads_while_the_step_loop_runs(tiny_llama: Path, tiny_llama_
             elif manager.failure(adapter_id) is None:
                 manager.wait_for_read(adapter_id, timeout=30)
         ids = tuple(held)
-        batch = manager.lora_batch(BatchMapping((*ids, None), (*ids, None)))
+        batch = manager.lora_batch(BatchMapping((*ids, None)))
         assert ids == () or batch.token_slots.tolist() == [*held.values(), -1]
         assert all(manager.slot_owner(s) == a for a, s in held.items())
         for adapter_id in ids:

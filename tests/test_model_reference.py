@@ -14,8 +14,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from loraplex.config import ModelConfig
 from loraplex.engine.runner import StepEntry
+from loraplex.layers.rotary import RotaryEmbedding
 from loraplex.models.embedded import embedded_checkpoint
-from loraplex.models.rotary import RotaryEmbedding
 from tests.fixtures import tiny_config, write_tiny_model
 from tests.model_harness import (
     ShuffledBlocks,

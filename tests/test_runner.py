@@ -10,14 +10,14 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from loraplex.adapters.batch_indices import BatchMapping, build_lora_batch
 from loraplex.adapters.peft_format import read_peft_adapter
 from loraplex.config import ModelConfig
 from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.runner import ModelRunner, StepEntry, prepare_step
 from loraplex.errors import AdapterRankTooLarge, AdapterShapeMismatch, UnsupportedAdapter
-from loraplex.models.attention import paged_attention
+from loraplex.layers.attention import paged_attention
 from loraplex.models.loader import load_model
+from loraplex.ops.lora_batch import BatchMapping, build_lora_batch
 from tests.conftest import make_adapters
 from tests.fixtures import tiny_config
 from tests.model_harness import ShuffledBlocks, assert_logits_close, greedy, hf_logits, make_runner, random_prompts

@@ -1,9 +1,5 @@
-"""Scheduler admission policy, driven step by step without a model.
-
-A step is simulated the way ``Engine.step`` postprocesses it: every scheduled request computes its
-tokens, one that completes its prefill gains one output token, and a request with ``max_tokens``
-outputs finishes (releasing its blocks and pin).
-"""
+"""Scheduler admission policy, driven step by step without a model: ``schedule()``, then the
+scheduler's own post-step ``update`` with a stand-in token for every request that samples."""
 
 from __future__ import annotations
 
@@ -44,12 +40,7 @@ def request(i: int, adapter: int | None, max_tokens: int = 8, prompt: int = 5) -
 def step(scheduler: Scheduler) -> list[Request]:
     """One simulated engine step; returns the requests scheduled in it."""
     batch = scheduler.schedule()
-    for s in batch:
-        s.request.num_computed_tokens += s.num_tokens
-        if s.samples:
-            s.request.output_token_ids.append(7)
-            if len(s.request.output_token_ids) >= s.request.params.max_tokens:
-                scheduler.finish(s.request, "length")
+    scheduler.update(batch, [7] * sum(s.samples for s in batch))
     return [s.request for s in batch]
 
 
@@ -126,3 +117,37 @@ def test_no_request_waits_forever_under_random_load() -> None:
         step(scheduler)
     assert all(r.finished for r in reqs)
     assert slots.table.pinned() == 0 and scheduler.allocator.num_free == 64
+
+
+def test_update_finishes_at_each_stop_condition() -> None:
+    """``update`` owns progress: stop ids and EOS stop (EOS not with ignore_eos), then max_tokens and the
+    context length end with "length"; finished requests hand back their blocks and pins."""
+    config = EngineConfig(max_loras=1, max_cpu_loras=1, max_num_seqs=8)
+    allocator = BlockAllocator(64)
+    slots = Slots(1)
+    scheduler = Scheduler(config, allocator, slots, eos_token_ids=(2,), max_model_len=9)
+    prompt = [5, 6, 7, 8]
+
+    def make(i: int, **params: object) -> Request:
+        return Request(f"u{i}", list(prompt), SamplingParams(temperature=0.0, **params), "a1", 1, None)
+
+    stop_id, eos, no_eos, length, context = (make(0, max_tokens=8, stop_token_ids=(9,)), make(1, max_tokens=8),
+                                             make(2, max_tokens=8, ignore_eos=True), make(3, max_tokens=2),
+                                             make(4, max_tokens=8))
+    reqs = [stop_id, eos, no_eos, length, context]
+    for r in reqs:
+        scheduler.add(r)
+    batch = scheduler.schedule()
+    assert [s.request for s in batch] == reqs and all(s.samples for s in batch)
+    assert scheduler.update(batch, [9, 2, 2, 4, 4]) == reqs
+    assert (stop_id.finish_reason, eos.finish_reason) == ("stop", "stop")
+    assert not no_eos.finished and not length.finished and not context.finished
+    batch = scheduler.schedule()
+    assert [s.num_tokens for s in batch] == [1, 1, 1]
+    scheduler.update(batch, [3, 3, 3])
+    assert length.finish_reason == "length" and not no_eos.finished and not context.finished
+    for _ in range(3):  # context reaches max_model_len = 9 tokens (4 prompt + 5 generated)
+        scheduler.update(scheduler.schedule(), [3, 3])
+    assert context.finish_reason == "length" and len(context.output_token_ids) == 5
+    assert no_eos.finish_reason == "length" and len(no_eos.output_token_ids) == 5
+    assert allocator.num_free == 64 and slots.table.pinned() == 0

@@ -18,17 +18,12 @@ class HostCache:
             raise ValueError(f"HostCache capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self._entries: OrderedDict[int, AdapterWeights] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
 
     def get(self, adapter_id: int) -> AdapterWeights | None:
-        """The weights (marked most recently used, counted as a hit), or None (counted as a miss)."""
+        """The weights (marked most recently used), or None."""
         weights = self._entries.get(adapter_id)
-        if weights is None:
-            self.misses += 1
-            return None
-        self._entries.move_to_end(adapter_id)
-        self.hits += 1
+        if weights is not None:
+            self._entries.move_to_end(adapter_id)
         return weights
 
     def put(self, adapter_id: int, weights: AdapterWeights) -> list[int]:
@@ -46,7 +41,7 @@ class HostCache:
         return self._entries.pop(adapter_id, None)
 
     def contains(self, adapter_id: int) -> bool:
-        """Presence test that neither touches the LRU order nor counts."""
+        """Presence test that does not touch the LRU order."""
         return adapter_id in self._entries
 
     __contains__ = contains

@@ -24,12 +24,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
-from loraplex.adapters.batch_indices import BatchMapping, LoRABatch, build_lora_batch
 from loraplex.adapters.host_cache import HostCache
 from loraplex.adapters.peft_format import AdapterWeights, read_peft_adapter
 from loraplex.adapters.slots import SlotTable
 from loraplex.config import ModelConfig
 from loraplex.errors import AdapterAlreadyLoaded, AdapterContentChanged, AdapterError, UnknownAdapter
+from loraplex.ops.lora_batch import BatchMapping, LoRABatch, build_lora_batch
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class AdapterManager:
             weights = self.host.get(adapter_id)
             if weights is None or not self.slot_table.can_acquire(adapter_id):
                 raise RuntimeError(f"acquire({adapter_id}) while can_acquire is False: ask first, then wait")
-            slot, _, evicted = self.slot_table.acquire(adapter_id)
+            slot, evicted = self.slot_table.acquire(adapter_id)
             self._written[slot] = None
             try:
                 self.writer.set_slot(slot, weights)
@@ -198,7 +198,7 @@ class AdapterManager:
             memo = self._memo
             hit = memo is not None and memo[1] == version and (memo[0] is mapping or memo[0] == mapping)
             batch, ids = (memo[2], memo[3]) if hit else (
-                None, frozenset(a for a in mapping.token_adapter_ids + mapping.seq_adapter_ids if a is not None))
+                None, frozenset(a for a in mapping.token_adapter_ids if a is not None))
             for adapter_id in ids:
                 if self.slot_table.pins(adapter_id) == 0:
                     raise RuntimeError(f"adapter {adapter_id} is in the batch mapping but holds no pin")

@@ -36,9 +36,6 @@ CONFIG_FILE = "adapter_config.json"
 SAFETENSORS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
 
-# Which block sub-module each adaptable projection lives in.
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<half>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
 _MODULE = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<proj>\w+)$")
 
@@ -213,7 +210,7 @@ def _build_modules(
                                      "does not adapt")
             raise InvalidAdapter(f"{folder}: unexpected tensor {key!r} (not a LoRA A or B weight)")
         halves.setdefault(match["module"], {})[match["half"]] = tensor
-    shapes = model_config.projection_shapes()
+    projections = model_config.projections()
     modules: dict[ModuleKey, tuple[torch.Tensor, torch.Tensor]] = {}
     for module, pair in sorted(halves.items()):
         layer_idx, proj = _locate(folder, module, model_config)
@@ -227,7 +224,7 @@ def _build_modules(
         if r > max_lora_rank:
             raise AdapterRankTooLarge(
                 f"{folder}: module {module!r} has rank {r}, over max_lora_rank={max_lora_rank}")
-        in_features, out_features = shapes[proj]
+        in_features, out_features = projections[proj].in_features, projections[proj].out_features
         a, b = pair["lora_A"], pair["lora_B"]
         for half, tensor, want in (("lora_A", a, (r, in_features)), ("lora_B", b, (out_features, r))):
             if tuple(tensor.shape) != want:
@@ -249,12 +246,14 @@ def _build_modules(
 
 def _locate(folder: Path, module: str, model_config: ModelConfig) -> ModuleKey:
     """``...layers.N.self_attn.q_proj`` -> (N, "q_proj"); anything else is not adaptable."""
+    projections = model_config.projections()
     match = _MODULE.search(module)
-    if match is None or _PARENT.get(match["proj"]) != match["parent"]:
+    projection = projections.get(match["proj"]) if match is not None else None
+    if projection is None or projection.parent != match["parent"]:
+        adaptable = ", ".join(f"layers.N.{p.parent}.{name}" for name, p in projections.items())
         raise InvalidAdapter(
             f"{folder}: tensors for module {module!r}, which the base model "
-            f"({model_config.architecture}) does not have or loraplex does not adapt "
-            f"(adaptable: layers.N.self_attn.{{q,k,v,o}}_proj, layers.N.mlp.{{gate,up,down}}_proj)")
+            f"({model_config.architecture}) does not have or loraplex does not adapt (adaptable: {adaptable})")
     layer_idx = int(match["layer"])
     if layer_idx >= model_config.num_layers:
         raise InvalidAdapter(f"{folder}: tensors for module {module!r}: layer {layer_idx} is out of "

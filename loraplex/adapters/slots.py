@@ -22,7 +22,6 @@ from typing import NamedTuple
 
 class Acquisition(NamedTuple):
     slot: int
-    needs_write: bool  # the slot was (re)assigned: write the adapter's weights into it
     evicted: int | None  # the id that occupied the slot before, if any
 
 
@@ -66,7 +65,7 @@ class SlotTable:
         if slot is not None:
             self._pins[adapter_id] = self._pins.get(adapter_id, 0) + 1
             self._lru.move_to_end(slot)
-            return Acquisition(slot, needs_write=False, evicted=None)
+            return Acquisition(slot, evicted=None)
         slot = self._victim()
         if slot is None:
             raise RuntimeError(f"cannot acquire adapter {adapter_id}: all {self.max_loras} slots are pinned")
@@ -79,7 +78,7 @@ class SlotTable:
         self._lru[slot] = None
         self._lru.move_to_end(slot)
         self.version += 1
-        return Acquisition(slot, needs_write=True, evicted=evicted)
+        return Acquisition(slot, evicted=evicted)
 
     def release(self, adapter_id: int) -> int:
         """Drop one pin; return the pins left. Raises RuntimeError if ``adapter_id`` is not pinned."""

@@ -8,7 +8,10 @@ stream never shows text that the final output cuts off.
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _INCOMPLETE = "\ufffd"
 

@@ -1,4 +1,4 @@
-"""The engine: one ``step()`` = drain the inbox → schedule → run → sample → postprocess.
+"""The engine: one ``step()`` = drain the inbox → schedule → run → sample → ``scheduler.update``.
 
 Thread model: any thread may call ``add_request``, ``abort_request``, ``load_adapter`` and
 ``unload_adapter``; they validate in the caller's thread and hand work to the step loop through a
@@ -17,9 +17,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from loraplex.adapters.batch_indices import BatchMapping, LoRABatch
 from loraplex.adapters.manager import AdapterInfo, AdapterManager
-from loraplex.config import EngineConfig, ModelConfig
+from loraplex.config import EngineConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.kv_cache import BlockAllocator, KVCache
 from loraplex.engine.request import Request, RequestOutput, SamplingParams
@@ -29,6 +28,8 @@ from loraplex.engine.scheduler import Scheduler
 from loraplex.errors import LoraplexError, RequestError
 from loraplex.models.embedded import resolve_model
 from loraplex.models.loader import load_model
+from loraplex.models.registry import model_config
+from loraplex.ops.lora_batch import BatchMapping, LoRABatch
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class Engine:
         folder = resolve_model(config.model)
         self.model_path = folder
         self.model_name = config.model if not Path(config.model).is_dir() else Path(config.model).name
-        self.model_config = ModelConfig.from_hf(folder)
+        self.model_config = model_config(folder)
         self.device, self.dtype = _pick_device(config)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -79,11 +80,11 @@ class Engine:
         self.adapters = AdapterManager(self.model_config, config.max_loras, config.max_cpu_loras,
                                        config.max_lora_rank, writer=self.model,
                                        allow_pickle=config.allow_pickle_adapters)
-        self.scheduler = Scheduler(config, self.allocator, self.adapters)
         self.max_model_len = min(self.model_config.max_position_embeddings, num_blocks * config.block_size)
+        self.scheduler = Scheduler(config, self.allocator, self.adapters, self.model_config.eos_token_ids,
+                                   self.max_model_len)
         self._inbox: queue.SimpleQueue[Request | str] = queue.SimpleQueue()
         self._requests: dict[str, Request] = {}
-        self._detok: dict[Request, IncrementalDetokenizer] = {}
         self._generator = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
         logger.info("model %s (%s, %s on %s): %d layers; %d LoRA slots, host tier %d, max rank %d; "
@@ -126,7 +127,8 @@ class Engine:
         adapter_id = self.adapters.resolve(adapter) if adapter is not None else None
         generator = self._generator if params.seed is None else torch.Generator().manual_seed(params.seed)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self._inbox.put(Request(request_id, token_ids, params, adapter, adapter_id, generator))
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self._inbox.put(Request(request_id, token_ids, params, adapter, adapter_id, generator, detokenizer))
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -159,13 +161,15 @@ class Engine:
             self._check_right_weights(mapping, lora)
         with torch.inference_mode():
             logits = self.runner.execute(entries, lora)
-        for s in batch:
-            s.request.num_computed_tokens += s.num_tokens
         rows = [i for i, s in enumerate(batch) if s.samples]
+        tokens: list[int] = []
         if rows:
-            sampled = [batch[i].request for i in rows]
-            tokens = sample(logits[rows], [r.params for r in sampled], [r.generator for r in sampled])
-            outputs += [self._append_token(r, t) for r, t in zip(sampled, tokens, strict=True)]
+            sampling = [batch[i].request for i in rows]
+            tokens = sample(logits[rows], [r.params for r in sampling], [r.generator for r in sampling])
+        for request in self.scheduler.update(batch, tokens):
+            if request.finished:
+                self._requests.pop(request.request_id, None)
+            outputs.append(self._output(request))
         return outputs
 
     def _drain_inbox(self) -> list[RequestOutput]:
@@ -174,7 +178,6 @@ class Engine:
             item = self._inbox.get()
             if isinstance(item, Request):
                 self._requests[item.request_id] = item
-                self._detok[item] = IncrementalDetokenizer(self.tokenizer, item.params.stop)
                 self.scheduler.add(item)
             elif (request := self._requests.get(item)) is not None:
                 outputs.append(self._finish(request, "abort"))
@@ -199,29 +202,18 @@ class Engine:
             if held != wanted:
                 raise AssertionError(f"token {t} asked for adapter {wanted} but reads slot {slot} holding {held}")
 
-    def _append_token(self, request: Request, token: int) -> RequestOutput:
-        request.output_token_ids.append(token)
-        params = request.params
-        hit_stop = self._detok[request].add(token)
-        if hit_stop or token in params.stop_token_ids or (
-                not params.ignore_eos and token in self.model_config.eos_token_ids):
-            return self._finish(request, "stop")
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return self._finish(request, "length")
-        return self._output(request)
-
     def _finish(self, request: Request, reason: str, error: LoraplexError | None = None) -> RequestOutput:
+        """End a request outside the step's own bookkeeping (abort, broken adapter)."""
         self.scheduler.finish(request, reason)
         request.error = error
         self._requests.pop(request.request_id, None)
-        output = self._output(request)
-        del self._detok[request]
-        return output
+        return self._output(request)
 
-    def _output(self, request: Request) -> RequestOutput:
-        detok = self._detok[request]
+    @staticmethod
+    def _output(request: Request) -> RequestOutput:
+        detok = request.detokenizer
         return RequestOutput(
             request_id=request.request_id, adapter=request.adapter,
             prompt_token_ids=request.prompt_token_ids, token_ids=list(request.output_token_ids),
-            text=detok.text, delta_text=detok.pop_delta(request.finished), finished=request.finished,
-            finish_reason=request.finish_reason, error=request.error)
+            text=detok.text if detok else "", delta_text=detok.pop_delta(request.finished) if detok else "",
+            finished=request.finished, finish_reason=request.finish_reason, error=request.error)

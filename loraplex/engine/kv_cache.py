@@ -7,11 +7,13 @@ layer's cache tensor. Blocks need not be contiguous or ordered.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 
 from loraplex.config import ModelConfig
+from loraplex.layers.attention import kv_cache_shape
 
 
 class BlockAllocator:
@@ -64,12 +66,8 @@ class BlockAllocator:
 
 
 class KVCache:
-    """One tensor per layer: ``kv[layer]`` ``[num_blocks, 2, num_kv_heads, block_size, head_dim]``.
-
-    Index 0/1 of dim 1 is K/V. Within a block each K/V head's positions are contiguous
-    (``block_size * head_dim`` values), so attention gathers a sequence's context head-major with
-    a few large rows per block instead of one small row per token.
-    """
+    """One tensor per layer, ``kv[layer]`` in the layout of ``loraplex.layers.attention.kv_cache_shape``;
+    the model reads and writes them through ``paged_attention``."""
 
     def __init__(
         self,
@@ -83,21 +81,15 @@ class KVCache:
             raise ValueError(f"KVCache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks, 2, model_config.num_kv_heads, block_size, model_config.head_dim)
+        shape = kv_cache_shape(num_blocks, model_config.num_kv_heads, block_size, model_config.head_dim)
         self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_layers)]
 
     @staticmethod
     def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         """Bytes one block costs over all layers, K and V together."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * elem
-
-    @classmethod
-    def num_blocks_for_bytes(
-        cls, model_config: ModelConfig, block_size: int, dtype: torch.dtype, nbytes: int
-    ) -> int:
-        """How many whole blocks fit in ``nbytes``."""
-        return nbytes // cls.bytes_per_block(model_config, block_size, dtype)
+        per_layer = math.prod(kv_cache_shape(1, model_config.num_kv_heads, block_size, model_config.head_dim))
+        return model_config.num_layers * per_layer * elem
 
     @property
     def nbytes(self) -> int:

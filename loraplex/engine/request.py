@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import enum
 import math
-import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from loraplex.errors import LoraplexError, RequestError
+
+if TYPE_CHECKING:
+    from loraplex.engine.detokenizer import IncrementalDetokenizer
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ class Request:
     adapter: str | None
     adapter_id: int | None
     generator: torch.Generator | None
-    arrival: float = field(default_factory=time.monotonic)
+    detokenizer: IncrementalDetokenizer | None = None  # None: no stop strings, no text (token ids only)
     arrival_step: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

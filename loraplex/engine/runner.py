@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.adapters.batch_indices import LoRABatch
 from loraplex.config import ModelConfig
 from loraplex.engine.kv_cache import KVCache
-from loraplex.models.attention import AttentionMetadata, PrefillSpan
+from loraplex.layers.attention import AttentionMetadata, PrefillSpan
+from loraplex.ops.lora_batch import LoRABatch
 
 
 @dataclass(frozen=True)
@@ -153,4 +153,4 @@ class ModelRunner:
         step = prepare_step(entries, self.block_size, self.model.config, self.dtype, self.device)
         if lora is not None and lora.num_tokens != step.attn.num_tokens:
             raise ValueError(f"LoRA batch has {lora.num_tokens} tokens, the step has {step.attn.num_tokens}")
-        return self.model(step.input_ids, step.positions, step.attn, self.kv_cache, lora, step.logits_rows)
+        return self.model(step.input_ids, step.positions, step.attn, self.kv_cache.kv, lora, step.logits_rows)

@@ -15,11 +15,14 @@ Policy, once per step:
    the moment a slot drains, so the pinned slots empty and the blocked request is placed next, while
    the batch stays as full as that allows (all requests of the placed adapters join together).
 Prefill and decode share a step; a prompt longer than the remaining budget is prefilled in chunks.
+After the step, ``update`` owns every request's progress: computed tokens advance, sampled tokens are
+appended, and a request that hits a stop condition finishes (its blocks and pin are returned).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loraplex.adapters.manager import AdapterManager
@@ -41,10 +44,16 @@ class ScheduledRequest:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator, adapters: AdapterManager) -> None:
+    """``adapters`` needs only ``try_acquire(id) -> slot | None`` and ``release(id)``; a request stops at
+    any of ``eos_token_ids`` (unless it ignores EOS) and at ``max_model_len`` tokens."""
+
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator, adapters: AdapterManager,
+                 eos_token_ids: Sequence[int] = (), max_model_len: int | None = None) -> None:
         self.config = config
         self.allocator = allocator
         self.adapters = adapters
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.step_count = 0
@@ -129,6 +138,33 @@ class Scheduler:
         if need > 0:
             request.block_table += self.allocator.allocate(need)
         return True
+
+    def update(self, scheduled: Sequence[ScheduledRequest], tokens: Sequence[int]) -> list[Request]:
+        """Post-step bookkeeping. Every scheduled request's computed tokens advance; each one that sampled
+        (``samples``; ``tokens`` holds their new tokens in batch order) appends its token and finishes when
+        it hits a stop condition. Returns the requests that sampled, in batch order."""
+        for s in scheduled:
+            s.request.num_computed_tokens += s.num_tokens
+        sampled = [s.request for s in scheduled if s.samples]
+        for request, token in zip(sampled, tokens, strict=True):
+            request.output_token_ids.append(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self.finish(request, reason)
+        return sampled
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        """"stop" for a stop string (seen by the request's detokenizer), a stop token id or EOS; "length" at
+        ``max_tokens`` or the context length; None to go on."""
+        params = request.params
+        hit_stop_string = request.detokenizer is not None and request.detokenizer.add(token)
+        if hit_stop_string or token in params.stop_token_ids or (
+                not params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if len(request.output_token_ids) >= params.max_tokens or (
+                self.max_model_len is not None and request.num_tokens >= self.max_model_len):
+            return "length"
+        return None
 
     def preempt(self, request: Request) -> None:
         """Return ``request``'s KV blocks; it goes back to the front of the queue to be recomputed. It keeps

@@ -18,9 +18,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from loraplex.adapters.batch_indices import LoRABatch
 from loraplex.ops.dense import dense_linear, pack_weight, unpack_weight
 from loraplex.ops.lora import Blocks, LoRACache, add_lora
+from loraplex.ops.lora_batch import LoRABatch
 
 
 class LoRALinear(nn.Module):

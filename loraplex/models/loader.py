@@ -4,7 +4,8 @@ Reads every ``*.safetensors`` file in the folder (one file or shards; tensor nam
 the ``model.`` prefix), copies each tensor straight into the model's preallocated parameters
 (q/k/v and gate/up land in row ranges of the packed ``qkv_proj`` / ``gate_up_proj`` weights, with
 no intermediate concatenation), and fails with a ``ModelError`` naming any missing or mis-shaped
-tensor. Tied embeddings: the model has no ``lm_head`` of its own, so a checkpoint's copy is ignored.
+tensor, or one the model has no place for. Tied embeddings: the model has no ``lm_head`` of its own, so
+a checkpoint's copy is ignored.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from torch import nn
 from loraplex.config import ModelConfig
 from loraplex.errors import ModelError
 from loraplex.layers.lora_linear import LoRALinear
+from loraplex.models.base import CausalLM
 from loraplex.models.registry import model_class
+from loraplex.models.registry import model_config as family_config
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +63,11 @@ def _checkpoint_index(folder: Path) -> dict[str, tuple[Path, str]]:
     return index
 
 
+def _ignorable(name: str, cfg: ModelConfig) -> bool:
+    """Checkpoint tensors that carry nothing the model needs: a tied lm_head's copy, cached rotary tables."""
+    return (name == "lm_head.weight" and cfg.tie_word_embeddings) or name.endswith("rotary_emb.inv_freq")
+
+
 def load_model(
     folder: str | Path,
     model_config: ModelConfig | None,
@@ -67,11 +75,16 @@ def load_model(
     max_lora_rank: int,
     dtype: torch.dtype,
     device: torch.device | str,
-) -> nn.Module:
-    """Build the model for ``model_config`` (read from ``folder`` when None) and fill its weights."""
+) -> CausalLM:
+    """Build the model for ``model_config`` (read from ``folder`` by its family when None) and fill its
+    weights. A checkpoint tensor the model has no place for is an error (it would be silently ignored)."""
     folder = Path(folder)
-    cfg = model_config if model_config is not None else ModelConfig.from_hf(folder)
-    model = model_class(cfg.architecture)(cfg, max_loras, max_lora_rank, dtype, device)
+    cfg = model_config if model_config is not None else family_config(folder)
+    cls = model_class(cfg.architecture)
+    if not isinstance(cfg, cls.config_class):
+        raise ModelError(f"{folder}: {cfg.architecture} needs a {cls.config_class.__name__}, got "
+                         f"{type(cfg).__name__} (use loraplex.models.registry.model_config)")
+    model = cls(cfg, max_loras, max_lora_rank, dtype, device)
     destinations = _destinations(model)
     index = _checkpoint_index(folder)
     missing = sorted(set(destinations) - set(index))
@@ -91,8 +104,9 @@ def load_model(
                         raise ModelError(f"{folder}: tensor {index[name][1]!r} in {file.name} has shape "
                                          f"{tuple(src.get_shape())}, the model expects {tuple(dst.shape)}")
                     dst.copy_(src[:])
-    unused = sorted(set(index) - set(destinations))
+    unused = sorted(name for name in set(index) - set(destinations) if not _ignorable(name, cfg))
     if unused:
-        logger.debug("%s: ignored %d checkpoint tensors (e.g. %s)", folder, len(unused), unused[0])
+        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        raise ModelError(f"{folder}: checkpoint has {len(unused)} tensors {cfg.architecture} does not use: {shown}")
     logger.info("loaded %s (%s, %d layers) from %s", cfg.architecture, dtype, cfg.num_layers, folder)
     return model.eval()

@@ -1,12 +1,18 @@
-"""Architecture name (``config.json``'s ``architectures[0]``) -> model class, imported lazily."""
+"""Architecture name (``config.json``'s ``architectures[0]``) -> model family, imported lazily.
+
+Adding a family is one file in this package plus one line here (see ``docs/adding-a-model.md``).
+"""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
-from torch import nn
-
+from loraplex.config import ModelConfig, read_hf_config
 from loraplex.errors import ModelError
+from loraplex.models.base import CausalLM
 
 # name -> "module:ClassName"; SmolLM2 checkpoints declare LlamaForCausalLM.
 _ARCHITECTURES: dict[str, str] = {
@@ -20,7 +26,7 @@ def supported_architectures() -> tuple[str, ...]:
     return tuple(_ARCHITECTURES)
 
 
-def model_class(architecture: str) -> type[nn.Module]:
+def model_class(architecture: str) -> type[CausalLM]:
     """The class serving ``architecture``; ``ModelError`` naming it if none does."""
     target = _ARCHITECTURES.get(architecture)
     if target is None:
@@ -29,3 +35,11 @@ def model_class(architecture: str) -> type[nn.Module]:
         )
     module_name, class_name = target.split(":")
     return getattr(importlib.import_module(module_name), class_name)
+
+
+def model_config(source: str | Path | Mapping[str, Any]) -> ModelConfig:
+    """``config.json`` (a dict, a file or a folder holding one) normalised by its family's config class;
+    ``ModelError`` for an unsupported architecture."""
+    raw = read_hf_config(source)
+    architecture = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+    return model_class(architecture).config_class.from_hf(raw)

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from loraplex.adapters.batch_indices import GROUPED, LORA_METHODS, PADDED, SEGMENTS, LoRABatch
+from loraplex.ops.lora_batch import GROUPED, LORA_METHODS, PADDED, SEGMENTS, LoRABatch
 
 Blocks = tuple[tuple[int, int, int, int], ...]  # (out_lo, out_hi, rank_lo, rank_hi) per projection
 BLOCKWISE_MIN_ROWS = 16  # below this many rows of one slot, one expand over B's zero blocks is cheaper

@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.llm import LLM
+from loraplex.engine.engine import Engine
 from loraplex.server.access import AdapterPathPolicy, BearerAuthMiddleware
 from loraplex.server.errors import ServerError, install_error_handlers
 from loraplex.server.generation import Generation, run_generation
@@ -49,14 +49,14 @@ def create_app(
     adapter_roots: Iterable[str | Path] = (),
     api_key: str | None = None,
 ) -> FastAPI:
-    """An app serving ``engine`` (an ``Engine``, an ``AsyncEngine``, or an ``LLM``'s engine).
+    """An app serving ``engine``: an ``Engine``, an ``AsyncEngine``, or an ``LLM`` (its ``.engine`` is served).
 
     ``served_model_name`` defaults to ``engine.model_name``; ``api_key`` defaults to
     ``$LORAPLEX_API_KEY`` (no auth when neither is set). Runtime adapter loading is off unless
     ``allow_runtime_adapters``; ``adapter_roots`` then bound the folders it may read.
     """
-    if isinstance(engine, LLM):
-        engine = engine.engine
+    if not isinstance(engine, (Engine, AsyncEngine)):
+        engine = engine.engine  # an LLM
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     core = async_engine.engine
     base_name = served_model_name or core.model_name

@@ -22,6 +22,13 @@ import torch
 import torch.nn.functional as F
 
 
+def kv_cache_shape(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int) -> tuple[int, ...]:
+    """The one place the paged KV layout is written: one tensor per layer of this shape,
+    ``[num_blocks, 2 (K, V), KV, block_size, d]`` (block-major; within a block each K/V head's
+    positions are contiguous, so a context is gathered in rows of ``block_size * d``)."""
+    return (num_blocks, 2, num_kv_heads, block_size, head_dim)
+
+
 @dataclass(frozen=True)
 class PrefillSpan:
     """One multi-token entry: rows ``rows`` of the flat batch, positions ``start_pos ..``."""

@@ -1,4 +1,4 @@
-"""Per-step LoRA indices: a pure function of (batch mapping, slot-table version).
+"""Per-step LoRA indices, the batched LoRA ops' input: a pure function of (batch mapping, slot-table version).
 
 The mapping says which adapter *id* each token and each sequence asked for; the slot table says
 where each id sits now. ``LoRABatch`` is derived from both and records the slot-table version it
@@ -29,10 +29,9 @@ _PADDED_ROW_COST = 1.2
 
 @dataclass(frozen=True)
 class BatchMapping:
-    """What one step asks for: per token and per sequence, an adapter id or None (base model)."""
+    """What one step asks for: per token, an adapter id or None (base model)."""
 
     token_adapter_ids: tuple[int | None, ...]
-    seq_adapter_ids: tuple[int | None, ...]
 
     @classmethod
     def from_sequences(cls, seqs: Sequence[tuple[int | None, int]]) -> BatchMapping:
@@ -40,7 +39,7 @@ class BatchMapping:
         tokens: list[int | None] = []
         for adapter_id, n in seqs:
             tokens.extend([adapter_id] * n)
-        return cls(tuple(tokens), tuple(a for a, _ in seqs))
+        return cls(tuple(tokens))
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,6 @@ class LoRABatch:
     """
 
     token_slots: torch.Tensor  # [T] int64, -1 = base model only
-    seq_slots: torch.Tensor  # [S] int64, -1 = base model only
     order: torch.Tensor  # [T_lora] int64 token rows sorted by slot (stable)
     group_slots: tuple[int, ...]  # [G] distinct slots, ascending
     group_offsets: tuple[int, ...]  # [G + 1]
@@ -152,8 +150,6 @@ def build_lora_batch(mapping: BatchMapping, slot_of: Mapping[int, int], slot_ver
     token_slots = torch.tensor(
         [-1 if a is None else slot_of[a] for a in mapping.token_adapter_ids], dtype=torch.int64
     )
-    seq_slots = torch.tensor([-1 if a is None else slot_of[a] for a in mapping.seq_adapter_ids],
-                             dtype=torch.int64)
     adapted = torch.nonzero(token_slots >= 0).flatten()
     sorted_slots, perm = torch.sort(token_slots[adapted], stable=True)
     order = adapted[perm]
@@ -163,7 +159,6 @@ def build_lora_batch(mapping: BatchMapping, slot_of: Mapping[int, int], slot_ver
         offsets.append(offsets[-1] + c)
     return LoRABatch(
         token_slots=token_slots,
-        seq_slots=seq_slots,
         order=order,
         group_slots=tuple(slots.tolist()),
         group_offsets=tuple(offsets),

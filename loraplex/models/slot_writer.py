@@ -1,8 +1,8 @@
-"""Writing one adapter into a device slot of a Llama-family model.
+"""Writing one adapter into a device slot of a model (any family).
 
 The adapter arrives per projection (``modules[(layer_idx, proj_name)] = (A [r, in], B [out, r])``,
-scale already folded into B) and is regrouped per packed layer (q/k/v -> ``qkv_proj``, gate/up ->
-``gate_up_proj``). Everything is validated before the first write, so a bad adapter leaves the
+scale already folded into B) and is regrouped per packed layer as the family packs them (e.g. q/k/v ->
+``qkv_proj``, gate/up -> ``gate_up_proj``). Everything is validated before the first write, so a bad adapter leaves the
 slot (and every other slot) exactly as it was.
 """
 
@@ -13,7 +13,6 @@ from typing import Protocol
 
 import torch
 
-from loraplex.config import PROJECTIONS
 from loraplex.errors import AdapterRankTooLarge, AdapterShapeMismatch, UnsupportedAdapter
 
 Pair = tuple[torch.Tensor, torch.Tensor]
@@ -27,20 +26,20 @@ class AdapterModules(Protocol):
 
 def group_by_layer(model, weights: AdapterModules) -> list[list[dict[str, Pair]]]:
     """Validate ``weights`` against ``model`` and return ``[layer][packed_index] -> {proj: (A, B)}``
-    in the order of ``LlamaDecoderLayer.adapted()``."""
+    in the order of each block's ``adapted()``."""
     cfg = model.config
-    shapes = cfg.projection_shapes()
+    shapes = cfg.projections()
     source = getattr(weights, "path", "adapter")
-    linears = model.layers[0].adapted()
-    packed_index = {name: i for i, linear in enumerate(linears) for name in linear.names}
-    grouped: list[list[dict[str, Pair]]] = [[{} for _ in linears] for _ in model.layers]
+    adapted = model.adapted_layers()
+    packed_index = {name: i for i, linear in enumerate(adapted[0]) for name in linear.names}
+    grouped: list[list[dict[str, Pair]]] = [[{} for _ in linears] for linears in adapted]
     for (layer_idx, proj), (a, b) in weights.modules.items():
-        if proj not in PROJECTIONS:
-            raise UnsupportedAdapter(f"{source}: module {proj!r} is not an adapted projection {PROJECTIONS}")
+        if proj not in shapes:
+            raise UnsupportedAdapter(f"{source}: module {proj!r} is not an adapted projection {tuple(shapes)}")
         if not 0 <= layer_idx < cfg.num_layers:
             raise AdapterShapeMismatch(f"{source}: layer {layer_idx} of {proj} is outside the model's "
                                        f"{cfg.num_layers} layers")
-        in_f, out_f = shapes[proj]
+        in_f, out_f = shapes[proj].in_features, shapes[proj].out_features
         r = a.shape[0]
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape[0] != out_f or b.shape[1] != r:
             raise AdapterShapeMismatch(
@@ -59,6 +58,6 @@ def write_adapter_slot(model, slot: int, weights: AdapterModules) -> None:
     if not 0 <= slot < model.max_loras:
         raise IndexError(f"slot {slot} out of range [0, {model.max_loras})")
     grouped = group_by_layer(model, weights)
-    for layer, per_linear in zip(model.layers, grouped, strict=True):
-        for linear, pairs in zip(layer.adapted(), per_linear, strict=True):
+    for linears, per_linear in zip(model.adapted_layers(), grouped, strict=True):
+        for linear, pairs in zip(linears, per_linear, strict=True):
             linear.set_slot(slot, pairs)

@@ -1,0 +1,114 @@
+"""What every model family shares: embeddings, the final norm and lm_head, slot writes, dense packing.
+
+A family is one file in ``loraplex/models/`` plus one line in ``registry.py``. Its model class derives
+from ``CausalLM`` and declares itself:
+
+- ``config_class``: its ``ModelConfig`` (a frozen subclass when it has fields of its own), which
+  normalises ``config.json`` once and lists the adaptable projections (``ModelConfig.projections``:
+  the PEFT target names, where they sit and their shapes);
+- ``packed_projections``: how those projections are packed into each block's ``LoRALinear`` layers
+  (e.g. ``qkv_proj`` holds q, k and v); every block's ``adapted()`` returns them in that order;
+- ``make_layer(index)``: one decoder block, and, if its blocks differ from Llama's,
+  ``forward`` (the embedding, the blocks over the paged KV tensors, the final norm and logits).
+
+Module names follow HF's (``embed_tokens``, ``layers.N.self_attn``, ``layers.N.mlp``, ``norm``,
+``lm_head``) so the loader maps checkpoint tensors by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from loraplex.config import ModelConfig
+from loraplex.layers.attention import AttentionMetadata
+from loraplex.layers.lora_linear import LoRALinear
+from loraplex.layers.norms import RMSNorm
+from loraplex.models.slot_writer import AdapterModules, write_adapter_slot
+from loraplex.ops.dense import dense_linear, pack_weight
+from loraplex.ops.lora_batch import LoRABatch
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM over a flat ragged batch with LoRA slots; parameters are allocated uninitialised
+    and filled by ``loraplex.models.loader.load_model``."""
+
+    config_class: ClassVar[type[ModelConfig]] = ModelConfig
+    packed_projections: ClassVar[tuple[tuple[str, tuple[str, ...]], ...]] = ()
+
+    def __init__(self, model_config: ModelConfig, max_loras: int, max_lora_rank: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        cfg = model_config
+        self.config = cfg
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.dtype, self.device = dtype, device
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device))
+        if self.lm_head is not None:
+            self.lm_head.weight.requires_grad_(False)
+        # oneDNN-packed lm_head once ``pack_dense()`` ran; the plain one stays (tied: the embedding reads it)
+        self.lm_head_packed: torch.Tensor | None = None
+
+    def make_layer(self, index: int) -> nn.Module:
+        """Decoder block ``index``; it must provide ``adapted() -> tuple[LoRALinear, ...]``."""
+        raise NotImplementedError
+
+    def lora_linear(self, packed_name: str, in_features: int, bias: bool = False) -> LoRALinear:
+        """The ``LoRALinear`` for one entry of ``packed_projections``, sized from ``config.projections()``."""
+        names = dict(self.packed_projections)[packed_name]
+        shapes = self.config.projections()
+        return LoRALinear(in_features, tuple(shapes[n].out_features for n in names), names, self.max_loras,
+                          self.max_lora_rank, bias=bias, dtype=self.dtype, device=self.device)
+
+    def adapted_layers(self) -> list[tuple[LoRALinear, ...]]:
+        """Per block, its packed LoRA layers in ``packed_projections`` order."""
+        return [layer.adapted() for layer in self.layers]
+
+    def pack_dense(self) -> None:
+        """Pack every base matmul's weight for the CPU GEMM library (``loraplex.ops.dense``); idempotent."""
+        for linears in self.adapted_layers():
+            for linear in linears:
+                linear.pack_dense()
+        if self.lm_head_packed is None:
+            self.lm_head_packed = pack_weight(self.lm_head_weight)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [vocab, hidden]
+
+    def logits(self, hidden: torch.Tensor, logits_rows: torch.Tensor) -> torch.Tensor:
+        """Final norm and lm_head of rows ``logits_rows [S]`` of ``hidden [T, hidden]`` -> float32 ``[S, vocab]``."""
+        last = self.norm(hidden.index_select(0, logits_rows))  # [S, hidden]
+        return dense_linear(last, self.lm_head_weight, self.lm_head_packed).float()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_caches: Sequence[torch.Tensor], lora: LoRABatch | None,
+                logits_rows: torch.Tensor) -> torch.Tensor:
+        """Run a flat ragged batch; return float32 logits ``[S, vocab]`` of the rows ``logits_rows [S]``.
+
+        ``input_ids [T]`` and ``positions [T]`` (int64) list every entry's tokens back to back; block i
+        writes its new K/V into ``kv_caches[i]`` at ``attn.write_rows``; ``lora`` (token order = flat
+        order) is passed to every adapted projection.
+        """
+        raise NotImplementedError
+
+    def set_slot(self, slot: int, weights: AdapterModules) -> None:
+        """Write an adapter (``.modules[(layer, proj)] = (A, B)``) into ``slot`` of every adapted layer;
+        validates everything before writing anything."""
+        write_adapter_slot(self, slot, weights)
+
+    def clear_slot(self, slot: int) -> None:
+        """Zero ``slot`` in every adapted layer (its tokens would then get a zero delta)."""
+        if not 0 <= slot < self.max_loras:
+            raise IndexError(f"slot {slot} out of range [0, {self.max_loras})")
+        for linears in self.adapted_layers():
+            for linear in linears:
+                linear.clear_slot(slot)
