@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
+from loraplex.adapters import slots as slots_module
 from loraplex.adapters.host_cache import HostCache
 from loraplex.adapters.slots import Acquisition, SlotTable
 
@@ -106,6 +109,23 @@ def test_check_integrity_detects_corruption() -> None:
     table._pins[5] = 1  # a pin on an adapter that is not resident
     with pytest.raises(AssertionError, match="not resident"):
         table.check_integrity()
+
+
+def test_last_used_follows_acquire_and_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([10.0, 11.0, 12.0, 13.0, 14.0])
+    monkeypatch.setattr(slots_module, "time", SimpleNamespace(time=lambda: next(clock)))
+    table = SlotTable(2)
+    assert table.last_used == [None, None]
+    table.acquire(7)  # 10.0, slot 0
+    table.acquire(9)  # 11.0, slot 1
+    table.acquire(7)  # 12.0: a hit is a use too
+    assert table.last_used == [12.0, 11.0]
+    table.release(9)  # 13.0
+    assert table.last_used == [12.0, 13.0]
+    table.clear(1)
+    assert table.last_used == [12.0, None]
+    table.acquire(5)  # 14.0, into the cleared slot
+    assert table.last_used == [12.0, 14.0]
 
 
 def test_max_loras_must_be_positive() -> None:

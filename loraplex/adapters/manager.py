@@ -22,24 +22,17 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any
 
 from loraplex.adapters.host_cache import HostCache
 from loraplex.adapters.peft_format import AdapterWeights, read_peft_adapter
-from loraplex.adapters.slots import SlotTable
+from loraplex.adapters.slots import SlotTable, SlotWriter
+from loraplex.adapters.snapshot import tier_snapshot
 from loraplex.config import ModelConfig
 from loraplex.errors import AdapterAlreadyLoaded, AdapterContentChanged, AdapterError, UnknownAdapter
 from loraplex.ops.lora_batch import BatchMapping, LoRABatch, build_lora_batch
 
 logger = logging.getLogger(__name__)
-
-
-class SlotWriter(Protocol):
-    """What the model implements: copy one adapter into a device slot, or zero a slot."""
-
-    def set_slot(self, slot: int, weights: AdapterWeights) -> None: ...
-
-    def clear_slot(self, slot: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -209,10 +202,6 @@ class AdapterManager:
                 self._memo = (mapping, version, batch, ids)
             return batch
 
-    def slots_in_use(self) -> int:
-        with self._lock:
-            return self.slot_table.in_use()
-
     def slot_owner(self, slot: int) -> int | None:
         """The adapter id in ``slot`` (None if empty): for the engine's right-weights debug check."""
         with self._lock:
@@ -224,6 +213,13 @@ class AdapterManager:
             return dict(asdict(self._counters), slots_in_use=self.slot_table.in_use(),
                         slots_pinned=self.slot_table.pinned(), host_adapters=len(self.host),
                         registered=len(self._names))
+
+    def snapshot(self) -> dict[str, Any]:
+        """Slots, pins, last use, host tier, registry and counters at one instant, as JSON-serialisable data
+        (the shape is in ``loraplex/adapters/snapshot.py``); ``counters()`` is the metrics' cheaper view."""
+        with self._lock:
+            live = list(self._names.values())
+            return tier_snapshot(self.slot_table, self.host, self._infos, live, asdict(self._counters))
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless slots, pins, writer-visible state and registry agree."""

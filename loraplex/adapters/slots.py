@@ -8,16 +8,30 @@ Contract (pin before use, unpin after, evict only unpinned):
   ``can_acquire`` is False and ``acquire`` raises: the caller waits for a ``release``.
 - ``version`` is bumped by every slot write (assign or clear) and by nothing else, so state derived
   from the layout (per-step indices) can key on it.
+- ``last_used[slot]`` is the wall-clock time (``time.time()``) of the last ``acquire`` or ``release``
+  of the slot's adapter, for display only; None for an empty slot.
 
-Not thread-safe on its own: ``AdapterManager`` calls it under its lock.
+Not thread-safe on its own: ``AdapterManager`` calls it under its lock. ``SlotWriter`` is what copies
+weights into a slot (the model implements it); the manager calls it after an ``acquire`` that needs a write.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
+
+from loraplex.adapters.peft_format import AdapterWeights
+
+
+class SlotWriter(Protocol):
+    """What the model implements: copy one adapter into a device slot, or zero a slot."""
+
+    def set_slot(self, slot: int, weights: AdapterWeights) -> None: ...
+
+    def clear_slot(self, slot: int) -> None: ...
 
 
 class Acquisition(NamedTuple):
@@ -30,6 +44,7 @@ class SlotTable:
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
         self.slots: list[int | None] = [None] * max_loras  # slot -> adapter id
+        self.last_used: list[float | None] = [None] * max_loras  # slot -> time of its last acquire/release
         self._slot_of: dict[int, int] = {}  # adapter id -> slot
         self._pins: dict[int, int] = {}  # resident adapter id -> pin count (> 0 only)
         self._lru: OrderedDict[int, None] = OrderedDict()  # occupied slots, least recently used first
@@ -65,6 +80,7 @@ class SlotTable:
         if slot is not None:
             self._pins[adapter_id] = self._pins.get(adapter_id, 0) + 1
             self._lru.move_to_end(slot)
+            self.last_used[slot] = time.time()
             return Acquisition(slot, evicted=None)
         slot = self._victim()
         if slot is None:
@@ -77,6 +93,7 @@ class SlotTable:
         self._pins[adapter_id] = 1
         self._lru[slot] = None
         self._lru.move_to_end(slot)
+        self.last_used[slot] = time.time()
         self.version += 1
         return Acquisition(slot, evicted=evicted)
 
@@ -89,6 +106,7 @@ class SlotTable:
             del self._pins[adapter_id]
         else:
             self._pins[adapter_id] = count - 1
+        self.last_used[self._slot_of[adapter_id]] = time.time()
         return count - 1
 
     def clear(self, slot: int) -> int | None:
@@ -100,6 +118,7 @@ class SlotTable:
             del self._slot_of[adapter_id]
             del self._lru[slot]
         self.slots[slot] = None
+        self.last_used[slot] = None
         self.version += 1
         return adapter_id
 

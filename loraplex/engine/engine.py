@@ -13,6 +13,7 @@ import logging
 import queue
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -102,6 +103,12 @@ class Engine:
     def list_adapters(self) -> list[AdapterInfo]:
         return self.adapters.list()
 
+    def adapter_snapshot(self) -> dict[str, Any]:
+        """The adapter tiers at one instant, JSON-serialisable (``GET /v1/slots``; the shape is in
+        ``loraplex/adapters/snapshot.py``): each slot's adapter, version, rank, pins and last use, the
+        host tier, the registry, and the load / eviction / hit counters."""
+        return self.adapters.snapshot()
+
     # ---- requests (any thread) ----
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -141,7 +148,7 @@ class Engine:
         c = self.adapters.counters()
         return EngineStats(
             num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
-            slots_in_use=self.adapters.slots_in_use(), max_loras=self.config.max_loras,
+            slots_in_use=c["slots_in_use"], max_loras=self.config.max_loras,
             kv_blocks_free=self.allocator.num_free, kv_blocks_total=self.allocator.num_total,
             loads=c["loads"], device_evictions=c["device_evictions"], host_evictions=c["host_evictions"],
             device_hits=c["device_hits"], host_hits=c["host_hits"], num_preemptions=self.scheduler.num_preemptions)

@@ -2,7 +2,8 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamable),
 ``GET /v1/models``, ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``,
-``GET /health``, ``GET /metrics``. The ``model`` field names the base model or an adapter.
+``GET /health``, ``GET /metrics``, and the playground (``GET /``, ``GET /v1/slots``: see
+``loraplex.server.playground``). The ``model`` field names the base model or an adapter.
 The engine's step loop runs in one background thread (see ``loraplex.engine.async_engine``),
 started with the app and stopped with it.
 """
@@ -27,6 +28,7 @@ from loraplex.server.access import AdapterPathPolicy, BearerAuthMiddleware
 from loraplex.server.errors import ServerError, install_error_handlers
 from loraplex.server.generation import Generation, run_generation
 from loraplex.server.metrics import CONTENT_TYPE, ServerMetrics
+from loraplex.server.playground import mount_playground
 from loraplex.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -81,6 +83,7 @@ def create_app(
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    mount_playground(app, core.adapter_snapshot, runtime_adapters=policy.enabled)
 
     def adapter_for(model: str) -> str | None:
         return None if model in base_aliases else model

@@ -1,0 +1,40 @@
+"""The built-in playground: ``GET /`` serves a static page (no build step, no CDN: it works offline),
+and ``GET /v1/slots`` the live adapter table it polls.
+
+- ``/`` and ``/playground/*`` (the page, its script modules and stylesheet from ``static/``) need no
+  API key: the page asks for one when a ``/v1`` call answers 401, and keeps it in memory only.
+- ``/v1/slots`` sits behind the same auth as every ``/v1`` call. Its data is ONE engine call,
+  ``adapter_snapshot()`` (the shape is documented in ``loraplex/adapters/snapshot.py``), plus
+  ``runtime_adapters``: whether this server accepts ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
+  The page loads and unloads through those endpoints, so it gets exactly the API's checks and errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+
+STATIC_DIR = Path(__file__).parent / "static"
+STATIC_PREFIX = "/playground"
+
+
+def mount_playground(app: FastAPI, adapter_snapshot: Callable[[], dict[str, Any]], runtime_adapters: bool) -> None:
+    """Add ``GET /``, ``/playground/*`` and ``GET /v1/slots`` to ``app``. ``adapter_snapshot`` is the
+    engine's ``adapter_snapshot``; it takes the adapter manager's lock, so it runs in a worker thread."""
+
+    @app.get("/", include_in_schema=False)
+    async def playground_page() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
+
+    app.mount(STATIC_PREFIX, StaticFiles(directory=STATIC_DIR), name="playground")
+
+    @app.get("/v1/slots")
+    async def adapter_slots() -> dict[str, Any]:
+        snapshot = await asyncio.to_thread(adapter_snapshot)
+        return {**snapshot, "runtime_adapters": runtime_adapters}
