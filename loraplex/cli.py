@@ -117,7 +117,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     logger.info("runtime adapter loading %s%s; auth %s", "on" if args.allow_runtime_adapters else "off",
                 f" (roots: {', '.join(args.adapter_root)})" if args.adapter_root else "",
                 "on" if args.api_key else "off")
-    logger.info("serving on http://%s:%d/v1", args.host, args.port)
+    logger.info("serving on http://%s:%d/v1; the playground is at http://%s:%d/", args.host, args.port,
+                args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
 
 

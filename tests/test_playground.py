@@ -79,7 +79,7 @@ def check_panels(page: Page, server: Server, models: list[str], chat: bool, max_
         panel = page.locator(f'.panel[data-model="{model}"]')
         assert panel.locator(".panel-output").text_content() == text, model
         expect(panel.locator(".panel-status")).to_have_text(
-            f"Status: done (finish reason: {answer.choices[0].finish_reason})")
+            f"Done (finish reason: {answer.choices[0].finish_reason})")
         stats = STATS.fullmatch(panel.locator(".panel-stats").text_content())
         assert stats and int(stats.group(1)) == answer.usage.completion_tokens, model
 

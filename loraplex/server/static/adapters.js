@@ -72,7 +72,7 @@ function renderAdapters(snap) {
   const body = $("adapter-table").querySelector("tbody");
   body.replaceChildren(...snap.adapters.map((a) => adapterRow(a, snap.runtime_adapters)));
   if (focused) body.querySelector(`button[aria-label="${CSS.escape(focused)}"]`)?.focus();
-  $("load-form").querySelector("button").disabled = !snap.runtime_adapters;
+  $("load-fields").disabled = !snap.runtime_adapters;
   $("runtime-note").textContent = snap.runtime_adapters ? "The folder must be inside one of the server's "
     + "--adapter-root folders, if it has any." : "Runtime loading is off: start the server with "
     + "--allow-runtime-adapters to load and unload adapters here.";

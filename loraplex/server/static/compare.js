@@ -69,10 +69,13 @@ function makePanel(model) {
   const status = Object.assign(document.createElement("p"), { className: "panel-status" });
   status.setAttribute("role", "status");
   const output = Object.assign(document.createElement("div"), { className: "panel-output", tabIndex: 0 });
+  output.setAttribute("role", "region");
   output.setAttribute("aria-label", `Answer of ${model}`);
   output.append(document.createTextNode(""));
   const stats = Object.assign(document.createElement("p"), { className: "panel-stats" });
-  panel.append(title, status, output, stats);
+  const head = Object.assign(document.createElement("div"), { className: "panel-head" });
+  head.append(title, status);
+  panel.append(head, output, stats);
   return { panel, status, output, stats };
 }
 
@@ -92,7 +95,7 @@ async function runOne(view, model, signal) {
   let chunks = 0;
   let usage = null;
   let finish = null;
-  view.status.textContent = "Status: waiting for the first token";
+  view.status.textContent = "Waiting for the first token";
   try {
     for await (const chunk of stream(chat ? "/v1/chat/completions" : "/v1/completions", body, signal)) {
       if (chunk.usage) usage = chunk.usage;
@@ -103,7 +106,7 @@ async function runOne(view, model, signal) {
         last = performance.now();
         if (first === null) {
           first = last;
-          view.status.textContent = "Status: streaming";
+          view.status.textContent = "Streaming";
         }
         chunks += 1;
         view.output.firstChild.appendData(text);
@@ -112,11 +115,11 @@ async function runOne(view, model, signal) {
       if (choice.finish_reason) finish = choice.finish_reason;
     }
     view.stats.textContent = formatStats(t0, first, last, usage ? usage.completion_tokens : chunks);
-    view.status.textContent = `Status: done (finish reason: ${finish})`;
+    view.status.textContent = `Done (finish reason: ${finish})`;
     view.panel.dataset.state = "done";
   } catch (error) {
     view.panel.dataset.state = error.name === "AbortError" ? "stopped" : "error";
-    view.status.textContent = error.name === "AbortError" ? "Status: stopped" : `Error: ${error.message}`;
+    view.status.textContent = error.name === "AbortError" ? "Stopped" : `Error: ${error.message}`;
   }
 }
 
