@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,35 +39,71 @@ def read_hf_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """``rope_scaling`` normalised; ``rope_type`` is "default", "linear", "dynamic" or "llama3"."""
+    """``rope_scaling`` normalised; ``rope_type`` is "default", "linear", "dynamic", "llama3" or "longrope"
+    (Phi-3's; its old name "su" is accepted)."""
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors while seq_len <= original max
+    long_factor: tuple[float, ...] = ()  # longrope: ... once seq_len > original max
+    attention_factor: float = 1.0  # multiplies cos and sin (longrope)
 
-    TYPES: ClassVar[tuple[str, ...]] = ("default", "linear", "dynamic", "llama3")
+    TYPES: ClassVar[tuple[str, ...]] = ("default", "linear", "dynamic", "llama3", "longrope")
 
     @classmethod
-    def from_hf(cls, raw: Mapping[str, Any]) -> RopeScaling:
-        scaling = _rope_parameters(raw)
+    def from_hf(cls, raw: Mapping[str, Any], scaling: Mapping[str, Any] | None = None) -> RopeScaling:
+        """From a raw config; ``scaling`` overrides where the parameters sit (per-layer-type configs)."""
+        scaling = _rope_parameters(raw) if scaling is None else scaling
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        rope_type = "longrope" if rope_type == "su" else rope_type
         if rope_type not in cls.TYPES:
             raise ModelError(f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(cls.TYPES)}")
+        max_pos = int(raw.get("max_position_embeddings", 8192))
+        # Phi-3 keeps the pretraining length at the top level, and HF gives that copy priority
+        original = int(raw.get("original_max_position_embeddings")
+                       or scaling.get("original_max_position_embeddings", max_pos))
+        factor = scaling.get("factor")
+        attention_factor = 1.0
+        if rope_type == "longrope":
+            # HF's _compute_longrope_parameters: factor defaults to the ratio of the two lengths
+            factor = max_pos / original if factor is None else float(factor)
+            attention_factor = scaling.get("attention_factor") or (
+                math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0)
         return cls(
             rope_type=rope_type,
-            factor=float(scaling.get("factor", 1.0)),
+            factor=float(1.0 if factor is None else factor),
             low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
             high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(
-                scaling.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))),
+            original_max_position_embeddings=original,
+            short_factor=tuple(float(f) for f in scaling.get("short_factor") or ()),
+            long_factor=tuple(float(f) for f in scaling.get("long_factor") or ()),
+            attention_factor=float(attention_factor),
         )
 
 
 def _rope_parameters(raw: Mapping[str, Any]) -> Mapping[str, Any]:
     """transformers >= 5 writes ``rope_parameters`` (theta included); older files ``rope_scaling``."""
     return raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+
+
+def _layer_types(raw: Mapping[str, Any], num_layers: int, window: int | None) -> tuple[str, ...]:
+    """Per-layer attention type as HF derives it: ``layer_types`` when the file has it (what current
+    transformers writes); else, with a window, Qwen's ``max_window_layers`` (layers from there on slide),
+    Gemma's ``sliding_window_pattern`` (every p-th layer is global) or, as Mistral and Phi-3 do, every layer."""
+    if raw.get("layer_types"):
+        return tuple(raw["layer_types"])
+    if window is None:
+        return ()
+    if "max_window_layers" in raw:
+        return tuple("sliding_attention" if i >= int(raw["max_window_layers"]) else "full_attention"
+                     for i in range(num_layers))
+    if "sliding_window_pattern" in raw:
+        pattern = int(raw["sliding_window_pattern"])
+        return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
+    return ("sliding_attention",) * num_layers
 
 
 @dataclass(frozen=True)
@@ -89,6 +126,24 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    hidden_act: str = "silu"  # the gated MLP's activation (HF's name)
+    sliding_window: int | None = None  # keys a "sliding_attention" layer sees: positions (p - W, p]
+    layer_types: tuple[str, ...] = ()  # per layer, one of LAYER_TYPES; () = all full attention
+
+    LAYER_TYPES: ClassVar[tuple[str, ...]] = ("full_attention", "sliding_attention")
+
+    def __post_init__(self) -> None:
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ModelError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        unknown = sorted(set(self.layer_types) - set(self.LAYER_TYPES))
+        if unknown:
+            raise ModelError(f"unsupported layer_types {unknown}; supported: {', '.join(self.LAYER_TYPES)}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        s = self.rope_scaling
+        if s.rope_type == "longrope" and not len(s.short_factor) == len(s.long_factor) == self.head_dim // 2:
+            raise ModelError(f"longrope needs short_factor and long_factor of head_dim / 2 = {self.head_dim // 2} "
+                             f"entries each, got {len(s.short_factor)} and {len(s.long_factor)}")
 
     @classmethod
     def from_hf(cls, source: str | Path | Mapping[str, Any]) -> ModelConfig:
@@ -105,6 +160,8 @@ class ModelConfig:
         hidden = int(raw["hidden_size"])
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        # Qwen2/Qwen3 switch their window off with use_sliding_window=false (HF then drops it)
+        window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
         return dict(
             architecture=archs[0],
             vocab_size=int(raw["vocab_size"]),
@@ -122,7 +179,19 @@ class ModelConfig:
             attention_bias=bool(raw.get("attention_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            hidden_act=str(raw.get("hidden_act") or raw.get("hidden_activation") or "silu"),
+            sliding_window=window,
+            layer_types=_layer_types(raw, int(raw["num_hidden_layers"]), window),
         )
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of block ``layer``; None for full (causal) attention."""
+        sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else None
+
+    def attention_windows(self) -> tuple[int | None, ...]:
+        """The distinct windows of the model's layers (None = full attention), in layer order."""
+        return tuple(dict.fromkeys(self.layer_window(i) for i in range(self.num_layers)))
 
     def projections(self) -> dict[str, Projection]:
         """Adaptable projection name -> where it sits and its shape (a Llama-style block's seven;

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fixtures import ALL_PROJECTIONS, write_peft_adapter, write_tiny_model
+from tests.fixtures import ALL_PROJECTIONS, projections_of, write_peft_adapter, write_tiny_model
 
 torch.set_num_threads(2)
 
@@ -22,13 +22,15 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
 
 
-@pytest.fixture(scope="session", params=["llama", "llama3", "mistral", "qwen2"])
+@pytest.fixture(scope="session", params=["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3"])
 def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Each supported architecture in turn (qwen2 has q/k/v bias; llama3 has rope scaling)."""
+    """Each supported family in turn (qwen2 has q/k/v bias; llama3 has rope scaling; mistral a sliding
+    window; qwen3 q/k norms; gemma3 local and global layers; phi3 fused projections and LongRoPE)."""
     return write_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), request.param)
 
 
-# name -> (rank, target modules); several ranks and target sets, all with non-zero B.
+# name -> (rank, target modules); several ranks and target sets, all with non-zero B. Llama's names;
+# ``family_targets`` maps them onto fused families (Phi-3: q/k/v -> qkv_proj, gate/up -> gate_up_proj).
 ADAPTER_SPECS: dict[str, tuple[int, tuple[str, ...]]] = {
     "r8_all": (8, ALL_PROJECTIONS),
     "r4_attn": (4, ("q_proj", "k_proj", "v_proj", "o_proj")),
@@ -37,10 +39,21 @@ ADAPTER_SPECS: dict[str, tuple[int, tuple[str, ...]]] = {
 }
 
 
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+          "up_proj": "gate_up_proj"}
+
+
+def family_targets(base: Path, targets: tuple[str, ...]) -> tuple[str, ...]:
+    """``targets`` (Llama names) as the family of the checkpoint in ``base`` names them."""
+    if projections_of(base) == ALL_PROJECTIONS:
+        return targets
+    return tuple(dict.fromkeys(_FUSED.get(t, t) for t in targets))
+
+
 def make_adapters(base: Path, root: Path) -> dict[str, Path]:
     return {
-        name: write_peft_adapter(base, root / name, rank=rank, alpha=2 * rank, target_modules=targets,
-                                 seed=i + 1)
+        name: write_peft_adapter(base, root / name, rank=rank, alpha=2 * rank,
+                                 target_modules=family_targets(base, targets), seed=i + 1)
         for i, (name, (rank, targets)) in enumerate(ADAPTER_SPECS.items())
     }
 

@@ -88,7 +88,8 @@ def test_folder_without_safetensors(tmp_path: Path, tiny_llama: Path) -> None:
 def test_unsupported_architecture_is_named(tmp_path: Path, tiny_llama: Path) -> None:
     with pytest.raises(ModelError, match="'GPT2LMHeadModel'"):
         model_class("GPT2LMHeadModel")
-    assert set(supported_architectures()) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+    assert set(supported_architectures()) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                              "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"}
     raw = json.loads((tiny_llama / "config.json").read_text())
     raw["architectures"] = ["FalconForCausalLM"]
     with pytest.raises(ModelError, match="'FalconForCausalLM'"):

@@ -28,36 +28,46 @@ def hf_model(base: Path, adapter: Path | None) -> torch.nn.Module:
     return model if adapter is None else PeftModel.from_pretrained(model, str(adapter)).eval()
 
 
-def test_paged_attention_matches_float64_loop() -> None:
+@pytest.mark.parametrize(("window", "scale", "decode_blocks"), [(None, None, 3), (3, 0.3, 2), (6, None, 2)])
+def test_paged_attention_matches_float64_loop(window: int | None, scale: float | None, decode_blocks: int) -> None:
     """Attention alone, on random q/k/v and cache contents: decodes (non-contiguous rows), a fresh
-    prompt and a continuing chunk, GQA with 3 query heads per K/V head, vs a float64 per-token loop."""
-    cfg = ModelConfig.from_hf(tiny_config("llama", hidden_size=48, num_attention_heads=6,
-                                          num_key_value_heads=2).to_dict())
+    prompt and continuing chunks, GQA with 3 query heads per K/V head, full or sliding-window (keys at
+    positions (p - W, p]: a fresh prompt longer than W, chunks across the window's edge, a decode whose
+    window skips blocks), default or explicit scale, vs a float64 per-token loop."""
+    raw = tiny_config("mistral", hidden_size=48, num_attention_heads=6, num_key_value_heads=2,
+                      sliding_window=window).to_dict()
+    cfg = ModelConfig.from_hf(raw)
+    assert cfg.attention_windows() == (window,)
     heads, kv_heads, d, bs = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 4
     g = torch.Generator().manual_seed(12)
     entries = [StepEntry((1,), 9, (7, 2, 11)), StepEntry((1,) * 6, 0, (4, 0)), StepEntry((1,), 0, (9,)),
-               StepEntry((1,) * 5, 3, (1, 10)), StepEntry((1,), 4, (5, 3))]
+               StepEntry((1,) * 5, 3, (1, 10)), StepEntry((1,), 4, (5, 3)), StepEntry((1,) * 3, 9, (6, 8, 12))]
     step = prepare_step(entries, bs, cfg, torch.float32, torch.device("cpu"))
+    # a sliding layer gathers only the blocks its window reaches (the decode at position 9: blocks 1-2)
+    assert step.attn.plan(window).decode_bias.shape[-1] == decode_blocks * bs
     t = step.attn.num_tokens
     q, k, v = (torch.randn(t, n, d, generator=g) for n in (heads, kv_heads, kv_heads))
-    cache = torch.randn(12, 2, kv_heads, bs, d, generator=g)  # [blocks, K/V, KV, block_size, d]
+    cache = torch.randn(13, 2, kv_heads, bs, d, generator=g)  # [blocks, K/V, KV, block_size, d]
     at = [(e.block_table[p // bs], p % bs) for e in entries for p in range(e.start_pos, e.start_pos + len(e.token_ids))]
     expect_cache = cache.clone()
     for row, (b, o) in enumerate(at):
         expect_cache[b, 0, :, o], expect_cache[b, 1, :, o] = k[row], v[row]
-    out = paged_attention(q, k, v, cache, step.attn)
+    out = paged_attention(q, k, v, cache, step.attn, window, scale)
     assert torch.equal(cache, expect_cache)
     row = 0
     for e in entries:
         for i in range(len(e.token_ids)):
             pos = e.start_pos + i
-            blocks = [(e.block_table[p // bs], p % bs) for p in range(pos + 1)]
+            first = 0 if window is None else max(0, pos - window + 1)
+            blocks = [(e.block_table[p // bs], p % bs) for p in range(first, pos + 1)]
             keys = torch.stack([cache[b, 0, :, o] for b, o in blocks]).double()  # [ctx, KV, d]
             vals = torch.stack([cache[b, 1, :, o] for b, o in blocks]).double()
             for h in range(heads):
-                w = torch.softmax(keys[:, h // 3] @ q[row, h].double() / d**0.5, 0)
+                w = torch.softmax(keys[:, h // 3] @ q[row, h].double() * (scale or d**-0.5), 0)
                 torch.testing.assert_close(out[row, h].double(), w @ vals[:, h // 3], rtol=0, atol=1e-5)
             row += 1
+    with pytest.raises(ValueError, match="no attention plan for window 5"):
+        paged_attention(q, k, v, cache, step.attn, 5)
 
 
 def test_mixed_step_equals_separate_steps(tiny_model: Path) -> None:

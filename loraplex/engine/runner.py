@@ -3,7 +3,8 @@
 Each ``StepEntry`` is the work of one sequence this step: a prompt (or a chunk of one) or one
 decode token. The runner concatenates the entries' tokens in order (the order the LoRA mapping
 must follow), builds the step's ``AttentionMetadata`` once with a handful of vectorised tensor ops
-(no per-token Python loops), runs the model, and returns the logits of each entry's last token.
+(no per-token Python loops; one ``ContextPlan`` per distinct attention window of the model's layers),
+runs the model, and returns the logits of each entry's last token.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from loraplex.config import ModelConfig
 from loraplex.engine.kv_cache import KVCache
-from loraplex.layers.attention import AttentionMetadata, PrefillSpan
+from loraplex.layers.attention import AttentionMetadata, ContextPlan, PrefillSpan
 from loraplex.ops.lora_batch import LoRABatch
 
 
@@ -63,32 +64,56 @@ def _validate(entries: Sequence[StepEntry], block_size: int, vocab_size: int) ->
     return flat
 
 
-def _decode_metadata(
-    decode: list[int], rows: list[int], tables: torch.Tensor, starts: list[int], block_size: int, kv_heads: int,
-    dtype: torch.dtype, device: torch.device,
-) -> tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows, K/V block rows and padding bias of the one-token entries ``decode``."""
-    contiguous = rows[-1] - rows[0] == len(rows) - 1
-    decode_rows = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=device)
+def _decode_plan(
+    decode: list[int], tables: torch.Tensor, starts: list[int], block_size: int, kv_heads: int,
+    window: int | None, dtype: torch.dtype, device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V block rows and bias of the one-token entries ``decode`` under ``window``: each sequence's
+    blocks from the first one its window reaches (block 0 when full), padded to the longest run."""
     ctx = torch.tensor([starts[i] + 1 for i in decode])  # [S_d] context length incl. the new token
-    num_blocks = -(-int(ctx.max()) // block_size)
-    kv_rows = _block_rows(tables[decode, :num_blocks], kv_heads)  # [2, S_d, KV, blocks]
-    j = torch.arange(num_blocks * block_size)  # [max_ctx] gathered positions
-    pad = (j[None, :] >= ctx[:, None])[:, None, None, :].expand(-1, kv_heads, 1, -1)  # [S_d, KV, 1, max_ctx]
-    bias = torch.zeros(pad.shape, dtype=dtype).masked_fill_(pad, float("-inf"))
-    return decode_rows, kv_rows.flatten().to(device), bias.view(len(decode) * kv_heads, 1, -1).to(device)
+    first = (ctx - window).clamp(min=0) if window is not None else torch.zeros_like(ctx)  # [S_d] first key
+    lo = first // block_size  # [S_d] first block read
+    num_blocks = int(((ctx - 1) // block_size - lo).max()) + 1
+    block_idx = (lo[:, None] + torch.arange(num_blocks)).clamp(max=tables.shape[1] - 1)  # [S_d, blocks]
+    kv_rows = _block_rows(tables[decode].gather(1, block_idx), kv_heads)  # [2, S_d, KV, blocks]
+    pos = lo[:, None] * block_size + torch.arange(num_blocks * block_size)  # [S_d, max_ctx] key positions
+    hidden = (pos >= ctx[:, None]) | (pos < first[:, None])  # [S_d, max_ctx] padding or outside the window
+    bias = torch.zeros(len(decode), kv_heads, 1, pos.shape[1], dtype=dtype)
+    bias.masked_fill_(hidden[:, None, None, :], float("-inf"))
+    return kv_rows.flatten().to(device), bias.view(len(decode) * kv_heads, 1, -1).to(device)
 
 
 def _prefill_span(rows: slice, start: int, table: torch.Tensor, block_size: int, kv_heads: int,
-                  device: torch.device) -> PrefillSpan:
-    """A multi-token entry; one that continues a sequence also gets its context rows and causal mask."""
-    if start == 0:
-        return PrefillSpan(rows, 0, None, None)
+                  window: int | None, device: torch.device) -> PrefillSpan:
+    """A multi-token entry; one that continues a sequence gets the context rows its window reaches and
+    an offset mask, a fresh one longer than its window a windowed mask."""
     n = rows.stop - rows.start
-    ctx = start + n
-    context_rows = _block_rows(table[: -(-ctx // block_size)], kv_heads).flatten()  # [2 * KV * blocks]
-    mask = torch.arange(ctx)[None, :] <= (start + torch.arange(n))[:, None]  # [n, ctx]
-    return PrefillSpan(rows, start, context_rows.to(device), mask.to(device))
+    if start == 0 and (window is None or n <= window):
+        return PrefillSpan(rows, 0, None, None)
+    q_pos = start + torch.arange(n)  # [n]
+    context_rows = None
+    first_block = 0
+    if start > 0:
+        first_block = max(0, start - window + 1) // block_size if window is not None else 0
+        last_block = -(-(start + n) // block_size)
+        context_rows = _block_rows(table[first_block:last_block], kv_heads).flatten().to(device)  # [2*KV*blocks]
+    k_pos = first_block * block_size + torch.arange(start + n - first_block * block_size)  # [ctx]
+    mask = k_pos[None, :] <= q_pos[:, None]  # [n, ctx]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return PrefillSpan(rows, start, context_rows, mask.to(device))
+
+
+def _context_plan(window: int | None, lens: list[int], starts: list[int], cu: list[int], decode: list[int],
+                  tables: torch.Tensor, block_size: int, kv_heads: int, dtype: torch.dtype,
+                  device: torch.device) -> ContextPlan:
+    decode_kv_rows = decode_bias = None
+    if decode:
+        decode_kv_rows, decode_bias = _decode_plan(decode, tables, starts, block_size, kv_heads, window, dtype,
+                                                   device)
+    prefills = tuple(_prefill_span(slice(cu[i], cu[i + 1]), starts[i], tables[i], block_size, kv_heads, window,
+                                   device) for i, n in enumerate(lens) if n > 1)
+    return ContextPlan(window, decode_kv_rows, decode_bias, prefills)
 
 
 def prepare_step(entries: Sequence[StepEntry], block_size: int, model_config: ModelConfig, dtype: torch.dtype,
@@ -110,19 +135,18 @@ def prepare_step(entries: Sequence[StepEntry], block_size: int, model_config: Mo
     write_rows = _block_rows(blocks[:, None], kv_heads)[..., 0] * block_size + (positions % block_size)[:, None]
 
     decode = [i for i, n in enumerate(lens) if n == 1]
-    decode_rows = decode_kv_rows = decode_bias = None
+    decode_rows = None
     if decode:
-        decode_rows, decode_kv_rows, decode_bias = _decode_metadata(
-            decode, [cu[i] for i in decode], tables, starts, block_size, kv_heads, dtype, device)
-    prefills = tuple(_prefill_span(slice(cu[i], cu[i + 1]), starts[i], tables[i], block_size, kv_heads, device)
-                     for i, n in enumerate(lens) if n > 1)
+        rows = [cu[i] for i in decode]
+        contiguous = rows[-1] - rows[0] == len(rows) - 1
+        decode_rows = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=device)
+    plans = {window: _context_plan(window, lens, starts, cu, decode, tables, block_size, kv_heads, dtype, device)
+             for window in model_config.attention_windows()}
     attn = AttentionMetadata(
         write_rows=write_rows.flatten().to(device),
         seq_lens=(starts_t + lens_t)[entry_of].to(device),
         decode_rows=decode_rows,
-        decode_kv_rows=decode_kv_rows,
-        decode_bias=decode_bias,
-        prefills=prefills,
+        plans=plans,
         num_tokens=len(flat),
     )
     return StepInputs(

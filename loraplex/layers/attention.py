@@ -1,21 +1,25 @@
-"""Attention over a flat ragged batch and a paged KV cache.
+"""Attention over a flat ragged batch and a paged KV cache, full or sliding-window.
 
 The cache of a layer is ``[num_blocks, 2 (K, V), KV, block_size, d]``; row indices below refer to
 two flat views of it: *token rows* ``[num_blocks * 2 * KV * block_size, d]`` (one position of one
 head) and *block rows* ``[num_blocks * 2 * KV, block_size * d]`` (one head's whole block).
 
-The runner builds one ``AttentionMetadata`` per step; every layer reuses it. Entries that compute
-one token (decodes, and one-token prompts) are batched into one attention per layer: a single
-index op gathers every such sequence's K and V block rows, already head-major, padded to the
-longest context, then two batched GEMMs do GQA attention with the G = H / KV query heads of a
-K/V head as the rows of one small GEMM (each K/V row is read once); an additive 0/-inf bias hides
-the padding. Entries with several tokens (prefills or prefill chunks) each get their own causal
-SDPA call: a fresh prompt (start 0) attends to its own new K/V directly, a chunk that continues a
-sequence gathers its context's block rows with an offset causal mask.
+The runner builds one ``AttentionMetadata`` per step; every layer reuses it. It holds one
+``ContextPlan`` per distinct attention window of the model's layers (``None`` = full attention; a
+window W lets position p see keys at positions ``(p - W, p]``), so a sliding layer gathers only the
+blocks its window overlaps. Entries that compute one token (decodes, and one-token prompts) are
+batched into one attention per layer: a single index op gathers every such sequence's K and V block
+rows, already head-major, padded to the longest; then two batched GEMMs do GQA attention with the
+G = H / KV query heads of a K/V head as the rows of one small GEMM (each K/V row is read once); an
+additive 0/-inf bias hides the padding and what lies outside the window. Entries with several tokens
+(prefills or prefill chunks) each get their own SDPA call: a fresh prompt (start 0) attends to its own
+new K/V directly (causal, or with a windowed mask once it is longer than the window), a chunk that
+continues a sequence gathers its context's block rows with an offset (and windowed) mask.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +39,23 @@ class PrefillSpan:
 
     rows: slice
     start_pos: int
-    context_rows: torch.Tensor | None  # [2 * KV * blocks] block rows, ordered (K/V, head, block); None if start 0
-    mask: torch.Tensor | None  # [n, ctx] bool, True = attend (key pos <= query pos); None if start 0
+    # [2 * KV * blocks] block rows of the context from the first block the window reaches, ordered
+    # (K/V, head, block); None when the entry attends only to its own new K/V (start 0)
+    context_rows: torch.Tensor | None
+    # [n, ctx] bool, True = attend (key in the query's window and not after it); None = plain causal
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """Which cached keys the step's queries read under one attention window (None = full)."""
+
+    window: int | None
+    # [2 * S_d * KV * max_blocks] block rows, ordered (K/V, sequence, head, block), from each sequence's
+    # first block in the window; padding blocks are arbitrary valid ones
+    decode_kv_rows: torch.Tensor | None
+    decode_bias: torch.Tensor | None  # [S_d * KV, 1, max_blocks * block_size] 0 = attend, -inf = not
+    prefills: tuple[PrefillSpan, ...]
 
 
 @dataclass(frozen=True)
@@ -46,42 +65,44 @@ class AttentionMetadata:
     write_rows: torch.Tensor  # [2 * T * KV] token rows the new K/V go to, ordered (K/V, token, head)
     seq_lens: torch.Tensor  # [T] int64 length of the token's sequence after this step
     decode_rows: slice | torch.Tensor | None  # rows of the S_d one-token entries (slice if contiguous)
-    # [2 * S_d * KV * max_blocks] block rows, ordered (K/V, sequence, head, block); padding blocks are
-    # arbitrary valid ones
-    decode_kv_rows: torch.Tensor | None
-    decode_bias: torch.Tensor | None  # [S_d * KV, 1, max_blocks * block_size] 0 = context, -inf = padding
-    prefills: tuple[PrefillSpan, ...]
+    plans: Mapping[int | None, ContextPlan]  # one per distinct window of the model's layers
     num_tokens: int
 
     @property
     def all_decode(self) -> bool:
         """True when every row is a one-token entry, in order (pure decode step)."""
-        return not self.prefills and isinstance(self.decode_rows, slice)
+        rows = self.decode_rows
+        return isinstance(rows, slice) and rows.start == 0 and rows.stop == self.num_tokens
+
+    def plan(self, window: int | None) -> ContextPlan:
+        if window not in self.plans:
+            raise ValueError(f"no attention plan for window {window}; the step was built for {list(self.plans)}")
+        return self.plans[window]
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: ContextPlan, scale: float) -> torch.Tensor:
     """One-token entries: ``q [S_d, H, d]`` -> ``[S_d, H, d]``.
 
     Semantics, per sequence s and K/V head k with query heads ``g = k*G .. k*G+G-1``:
-    ``scores = q[s, g] @ K[s, k]^T / sqrt(d) + bias[s, k]``, ``out[s, g] = softmax(scores) @ V[s, k]``,
-    with K/V ``[max_blocks * block_size, d]`` gathered by ``attn.decode_kv_rows``.
+    ``scores = scale * q[s, g] @ K[s, k]^T + bias[s, k]``, ``out[s, g] = softmax(scores) @ V[s, k]``,
+    with K/V ``[max_blocks * block_size, d]`` gathered by ``plan.decode_kv_rows``.
     """
     s_d, heads, d = q.shape
     kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
-    kv = kv_cache.view(-1, block_size * d).index_select(0, attn.decode_kv_rows).view(2, s_d * kv_heads, -1, d)
+    kv = kv_cache.view(-1, block_size * d).index_select(0, plan.decode_kv_rows).view(2, s_d * kv_heads, -1, d)
     scores = torch.baddbmm(  # [S_d * KV, G, max_ctx]
-        attn.decode_bias, q.reshape(s_d * kv_heads, heads // kv_heads, d), kv[0].transpose(1, 2), alpha=d**-0.5
+        plan.decode_bias, q.reshape(s_d * kv_heads, heads // kv_heads, d), kv[0].transpose(1, 2), alpha=scale
     )
     return torch.bmm(scores.softmax(-1), kv[1]).view(s_d, heads, d)
 
 
-def _context_attention(q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
-    """A chunk continuing a sequence: ``q [1, H, n, d]`` attends to its cached context causally."""
+def _context_attention(q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan, scale: float) -> torch.Tensor:
+    """A chunk continuing a sequence: ``q [1, H, n, d]`` attends to its gathered context under ``span.mask``."""
     kv_heads, block_size, d = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
     ctx = span.mask.shape[1]
     kv = kv_cache.view(-1, block_size * d).index_select(0, span.context_rows).view(2, 1, kv_heads, -1, d)
     return F.scaled_dot_product_attention(q, kv[0, :, :, :ctx], kv[1, :, :, :ctx], attn_mask=span.mask,
-                                          enable_gqa=True)
+                                          scale=scale, enable_gqa=True)
 
 
 def paged_attention(
@@ -90,21 +111,26 @@ def paged_attention(
     v: torch.Tensor,
     kv_cache: torch.Tensor,
     attn: AttentionMetadata,
+    window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend.
 
     Semantics: ``cache_token_rows[write_rows] = stack(k, v)``; then for each token t of a sequence,
-    ``out[t, h] = softmax(q[t, h] . K_ctx^T / sqrt(d)) V_ctx`` over the sequence's keys at positions
-    ``<= pos(t)``, K/V head ``h // (H / KV)`` (GQA).
+    ``out[t, h] = softmax(scale * q[t, h] . K_ctx^T) V_ctx`` over the sequence's keys at positions p with
+    ``pos(t) - window < p <= pos(t)`` (no lower bound when ``window`` is None), K/V head ``h // (H / KV)``
+    (GQA); ``scale`` defaults to ``1 / sqrt(d)``. ``attn`` must hold a plan for ``window``.
     Shapes: q ``[T, H, d]``, k/v ``[T, KV, d]``, kv_cache ``[blocks, 2, KV, block_size, d]`` (changed in
     place) -> ``[T, H, d]``.
     """
     t, heads, d = q.shape
+    scale = d**-0.5 if scale is None else scale
+    plan = attn.plan(window)
     kv_cache.view(-1, d).index_copy_(0, attn.write_rows, torch.stack((k, v)).view(-1, d))
     decoded = None
     if attn.decode_rows is not None:
         q_d = q[attn.decode_rows] if isinstance(attn.decode_rows, slice) else q.index_select(0, attn.decode_rows)
-        decoded = _decode_attention(q_d, kv_cache, attn)
+        decoded = _decode_attention(q_d, kv_cache, plan, scale)
         if attn.all_decode:
             return decoded
     out = q.new_empty(t, heads, d)  # [T, H, d]
@@ -113,13 +139,14 @@ def paged_attention(
             out[attn.decode_rows] = decoded
         else:
             out.index_copy_(0, attn.decode_rows, decoded)
-    for span in attn.prefills:
+    for span in plan.prefills:
         q_p = q[span.rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
         if span.context_rows is None:
             k_p = k[span.rows].transpose(0, 1).unsqueeze(0)  # [1, KV, n, d]
             v_p = v[span.rows].transpose(0, 1).unsqueeze(0)
-            o_p = F.scaled_dot_product_attention(q_p, k_p, v_p, is_causal=True, enable_gqa=True)
+            o_p = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=span.mask, is_causal=span.mask is None,
+                                                 scale=scale, enable_gqa=True)
         else:
-            o_p = _context_attention(q_p, kv_cache, span)
+            o_p = _context_attention(q_p, kv_cache, span, scale)
         out[span.rows] = o_p[0].transpose(0, 1)
     return out

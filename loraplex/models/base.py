@@ -8,8 +8,11 @@ from ``CausalLM`` and declares itself:
   the PEFT target names, where they sit and their shapes);
 - ``packed_projections``: how those projections are packed into each block's ``LoRALinear`` layers
   (e.g. ``qkv_proj`` holds q, k and v); every block's ``adapted()`` returns them in that order;
-- ``make_layer(index)``: one decoder block, and, if its blocks differ from Llama's,
-  ``forward`` (the embedding, the blocks over the paged KV tensors, the final norm and logits).
+- ``make_layer(index)``: one decoder block, called as ``block(hidden, rope, attn, kv_cache, lora)``
+  where ``rope`` is what ``rope_tables`` returns (``(cos, sin)`` unless the family overrides it,
+  as Gemma 3 does for its two rope bases);
+- where it differs from Llama: ``norm_offset`` (1.0 for ``(1 + w)`` RMSNorms), ``scale_embeddings``
+  (embeddings times ``sqrt(hidden)``).
 
 Module names follow HF's (``embed_tokens``, ``layers.N.self_attn``, ``layers.N.mlp``, ``norm``,
 ``lm_head``) so the loader maps checkpoint tensors by name.
@@ -18,7 +21,7 @@ Module names follow HF's (``embed_tokens``, ``layers.N.self_attn``, ``layers.N.m
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -27,6 +30,7 @@ from loraplex.config import ModelConfig
 from loraplex.layers.attention import AttentionMetadata
 from loraplex.layers.lora_linear import LoRALinear
 from loraplex.layers.norms import RMSNorm
+from loraplex.layers.rotary import RotaryEmbedding
 from loraplex.models.slot_writer import AdapterModules, write_adapter_slot
 from loraplex.ops.dense import dense_linear, pack_weight
 from loraplex.ops.lora_batch import LoRABatch
@@ -38,6 +42,8 @@ class CausalLM(nn.Module):
 
     config_class: ClassVar[type[ModelConfig]] = ModelConfig
     packed_projections: ClassVar[tuple[tuple[str, tuple[str, ...]], ...]] = ()
+    norm_offset: ClassVar[float] = 0.0  # RMSNorm computes (norm_offset + weight) * normalised x
+    scale_embeddings: ClassVar[bool] = False  # embeddings multiplied by sqrt(hidden_size)
 
     def __init__(self, model_config: ModelConfig, max_loras: int, max_lora_rank: int, dtype: torch.dtype,
                  device: torch.device | str) -> None:
@@ -48,8 +54,12 @@ class CausalLM(nn.Module):
         self.dtype, self.device = dtype, device
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
+        # HF Gemma keeps the scale as a tensor of the weights' dtype: same rounding here
+        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device=device)
+                             if self.scale_embeddings else None, persistent=False)
+        self.rotary = RotaryEmbedding(cfg, device)
         self.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = self.rms_norm(cfg.hidden_size)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device))
         if self.lm_head is not None:
@@ -60,6 +70,19 @@ class CausalLM(nn.Module):
     def make_layer(self, index: int) -> nn.Module:
         """Decoder block ``index``; it must provide ``adapted() -> tuple[LoRALinear, ...]``."""
         raise NotImplementedError
+
+    def rms_norm(self, size: int) -> RMSNorm:
+        """An RMSNorm of this family's kind over ``size`` features (the hidden size, or head_dim for q/k)."""
+        return RMSNorm(size, self.config.rms_norm_eps, self.dtype, self.device, self.norm_offset)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids [T]`` -> ``[T, hidden]``."""
+        hidden = self.embed_tokens(input_ids)
+        return hidden if self.embed_scale is None else hidden * self.embed_scale
+
+    def rope_tables(self, positions: torch.Tensor, seq_lens: torch.Tensor, dtype: torch.dtype) -> Any:
+        """What every block's ``rope`` argument gets this step: ``(cos, sin)``, each ``[T, 1, d]``."""
+        return self.rotary.cos_sin(positions, seq_lens, dtype)
 
     def lora_linear(self, packed_name: str, in_features: int, bias: bool = False) -> LoRALinear:
         """The ``LoRALinear`` for one entry of ``packed_projections``, sized from ``config.projections()``."""
@@ -98,7 +121,11 @@ class CausalLM(nn.Module):
         writes its new K/V into ``kv_caches[i]`` at ``attn.write_rows``; ``lora`` (token order = flat
         order) is passed to every adapted projection.
         """
-        raise NotImplementedError
+        hidden = self.embed(input_ids)  # [T, hidden]
+        rope = self.rope_tables(positions, attn.seq_lens, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, rope, attn, kv_cache, lora)
+        return self.logits(hidden, logits_rows)
 
     def set_slot(self, slot: int, weights: AdapterModules) -> None:
         """Write an adapter (``.modules[(layer, proj)] = (A, B)``) into ``slot`` of every adapted layer;

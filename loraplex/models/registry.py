@@ -19,6 +19,9 @@ _ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "loraplex.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "loraplex.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "loraplex.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "loraplex.models.qwen3:Qwen3ForCausalLM",
+    "Gemma3ForCausalLM": "loraplex.models.gemma3:Gemma3ForCausalLM",
+    "Phi3ForCausalLM": "loraplex.models.phi3:Phi3ForCausalLM",
 }
 
 

@@ -1,0 +1,44 @@
+"""A decoder block's attention: one packed (or fused) q/k/v projection, optional per-head q/k RMSNorm,
+rotary embeddings, paged attention (full or sliding-window, configurable scale) and the output
+projection. Shared by every family; module names follow HF's (``qkv_proj``/``o_proj`` hold the
+projections, ``q_norm``/``k_norm`` the per-head norms)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loraplex.layers.attention import AttentionMetadata, paged_attention
+from loraplex.layers.lora_linear import LoRALinear
+from loraplex.layers.norms import RMSNorm
+from loraplex.layers.rotary import apply_rotary
+from loraplex.ops.lora_batch import LoRABatch
+
+
+class SelfAttention(nn.Module):
+    """Semantics: ``[q, k, v] = qkv_proj(x)`` split by heads; ``q, k = rope(q_norm(q)), rope(k_norm(k))``
+    (norms per head over ``d``, when given); ``y = o_proj(paged_attention(q, k, v, window, scale))``.
+    Shapes: x ``[T, hidden]`` -> ``[T, hidden]``; ``qkv_proj`` is ``hidden -> (H + 2 KV) d``."""
+
+    def __init__(self, qkv_proj: LoRALinear, o_proj: LoRALinear, num_heads: int, num_kv_heads: int,
+                 head_dim: int, window: int | None = None, scale: float | None = None,
+                 qk_norms: tuple[RMSNorm, RMSNorm] | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.window, self.scale = window, scale
+        self.qkv_proj, self.o_proj = qkv_proj, o_proj
+        self.q_norm, self.k_norm = qk_norms if qk_norms is not None else (None, None)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
+                kv_cache: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        # x: [T, hidden]; cos/sin: [T, 1, d]; kv_cache: this layer's paged cache
+        t = x.shape[0]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x, lora)  # [T, (H + 2KV) d]
+        qk = qkv[:, : (h + kvh) * d].view(t, h + kvh, d)  # [T, H + KV, d]
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+        qk = apply_rotary(qk, cos, sin)
+        v = qkv[:, (h + kvh) * d :].view(t, kvh, d)  # [T, KV, d]
+        out = paged_attention(qk[:, :h], qk[:, h:], v, kv_cache, attn, self.window, self.scale)  # [T, H, d]
+        return self.o_proj(out.reshape(t, h * d), lora)
