@@ -2,31 +2,52 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.fixtures import ALL_PROJECTIONS, projections_of, write_peft_adapter, write_tiny_model
+from tests.fixtures import (
+    ALL_PROJECTIONS,
+    NEW_FAMILIES,
+    projections_of,
+    write_peft_adapter,
+    write_tiny_model,
+)
 
 torch.set_num_threads(2)
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny_checkpoint(arch)``: the tiny random checkpoint of ``arch`` (``tests.fixtures.tiny_config``),
+    written once per session."""
+    written: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in written:
+            written[arch] = write_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch)
+        return written[arch]
+
+    return get
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+def tiny_llama(tiny_checkpoint: Callable[[str], Path]) -> Path:
+    return tiny_checkpoint("llama")
 
 
-@pytest.fixture(scope="session", params=["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3"])
-def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_checkpoint: Callable[[str], Path]) -> Path:
+    return tiny_checkpoint("qwen2")
+
+
+@pytest.fixture(scope="session", params=["llama", "llama3", "mistral", "qwen2", *NEW_FAMILIES])
+def tiny_model(request: pytest.FixtureRequest, tiny_checkpoint: Callable[[str], Path]) -> Path:
     """Each supported family in turn (qwen2 has q/k/v bias; llama3 has rope scaling; mistral a sliding
     window; qwen3 q/k norms; gemma3 local and global layers; phi3 fused projections and LongRoPE)."""
-    return write_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), request.param)
+    return tiny_checkpoint(request.param)
 
 
 # name -> (rank, target modules); several ranks and target sets, all with non-zero B. Llama's names;

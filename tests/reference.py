@@ -36,10 +36,16 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
     return tokens, torch.stack(steps)
 
 
-def with_adapter(base_folder: Path, adapter_folder: Path | None, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Greedy outputs of each prompt under one adapter (or none), unloading the PEFT wrapper after."""
+def greedy_with_adapter(base_folder: Path, adapter_folder: Path | None, prompts: list[list[int]],
+                        n: int) -> list[tuple[list[int], torch.Tensor]]:
+    """``hf_greedy`` of each prompt under one adapter (or none), unloading the PEFT wrapper after."""
     model = hf_model(base_folder, adapter_folder)
-    outs = [hf_greedy(model, p, n)[0] for p in prompts]
+    outs = [hf_greedy(model, p, n) for p in prompts]
     if adapter_folder is not None:
         model.unload()  # restore the cached base model's modules
     return outs
+
+
+def with_adapter(base_folder: Path, adapter_folder: Path | None, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy outputs of each prompt under one adapter (or none)."""
+    return [tokens for tokens, _ in greedy_with_adapter(base_folder, adapter_folder, prompts, n)]
