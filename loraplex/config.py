@@ -15,6 +15,10 @@ from loraplex.errors import ModelError
 # projections declare their own through ``ModelConfig.projections``).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+# How the LoRA delta is computed: "auto" = Triton kernels on CUDA when Triton is installed, torch ops
+# elsewhere; "torch" or "triton" force one (``loraplex.ops.lora.resolve_lora_kernels``).
+LORA_KERNELS = ("auto", "torch", "triton")
+
 
 @dataclass(frozen=True)
 class Projection:
@@ -235,8 +239,11 @@ class EngineConfig:
     # CPU threads for torch's kernels (torch.set_num_threads, process-wide); None keeps torch's default
     # (one per core). On a shared host, fewer threads than busy cores avoids OpenMP oversubscription.
     num_threads: int | None = None
+    lora_kernels: str = "auto"  # one of LORA_KERNELS
 
     def __post_init__(self) -> None:
+        if self.lora_kernels not in LORA_KERNELS:
+            raise ValueError(f"EngineConfig.lora_kernels must be one of {LORA_KERNELS}, got {self.lora_kernels!r}")
         for field in ("max_loras", "max_cpu_loras", "max_lora_rank", "max_num_seqs", "block_size"):
             if getattr(self, field) < 1:
                 raise ValueError(f"EngineConfig.{field} must be >= 1, got {getattr(self, field)}")

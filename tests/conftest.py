@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +18,15 @@ from tests.fixtures import (
 )
 
 torch.set_num_threads(2)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """``tests/kernels`` runs where Triton kernels run: on CUDA, or in a process started with Triton's
+    interpreter on (``tests/test_lora_triton.py`` starts one)."""
+    if collection_path.name == "kernels" and collection_path.parent == Path(__file__).parent:
+        runnable = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+        return True if not runnable else None
+    return None
 
 
 @pytest.fixture(scope="session")

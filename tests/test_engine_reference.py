@@ -27,13 +27,15 @@ def arch_adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return make_adapters(tiny_model, tmp_path_factory.mktemp("adapters"))
 
 
-def test_mixed_batch_equals_hf_peft(tiny_model: Path, arch_adapters: dict[str, Path]) -> None:
+def assert_mixed_batch_equals_hf_peft(tiny_model: Path, arch_adapters: dict[str, Path], **engine_config) -> None:
     """Several adapters of different ranks and target sets, base-only requests and different prompt
-    lengths in one batch; every architecture (llama, llama3 rope scaling, mistral, qwen2 bias)."""
+    lengths in one batch generate what HF + PEFT generates for each alone; ``engine_config`` adds
+    ``EngineConfig`` fields (the Triton kernel tests force ``lora_kernels="triton"``)."""
     names = [*ADAPTER_SPECS, None]
     prompts = random_prompts(10, seed=1)
     chosen = [names[i % len(names)] for i in range(len(prompts))]
-    llm = LLM(model=str(tiny_model), max_loras=4, max_lora_rank=16, kv_cache_blocks=256, debug_checks=True)
+    llm = LLM(model=str(tiny_model), max_loras=4, max_lora_rank=16, kv_cache_blocks=256, debug_checks=True,
+              **engine_config)
     for name, folder in arch_adapters.items():
         llm.load_adapter(name, folder)
     outs = llm.generate(prompts, GREEDY, adapters=chosen)
@@ -44,9 +46,15 @@ def test_mixed_batch_equals_hf_peft(tiny_model: Path, arch_adapters: dict[str, P
             assert outs[i].token_ids == exp, f"prompt {i} adapter {name}"
 
 
-def test_first_step_logits_match_peft(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> None:
+def test_mixed_batch_equals_hf_peft(tiny_model: Path, arch_adapters: dict[str, Path]) -> None:
+    """Every architecture (llama, llama3 rope scaling, mistral, qwen2 bias)."""
+    assert_mixed_batch_equals_hf_peft(tiny_model, arch_adapters)
+
+
+def assert_first_step_logits_match_peft(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
+                                        **engine_config) -> None:
     """float32 logits of the prefill step within 1e-4 relative of PEFT's, per adapter, in one batch."""
-    llm = LLM(model=str(tiny_llama), max_loras=4, kv_cache_blocks=64)
+    llm = LLM(model=str(tiny_llama), max_loras=4, kv_cache_blocks=64, **engine_config)
     names = list(tiny_llama_adapters)
     for name in names:
         llm.load_adapter(name, tiny_llama_adapters[name])
@@ -63,7 +71,11 @@ def test_first_step_logits_match_peft(tiny_llama: Path, tiny_llama_adapters: dic
         if name is not None:
             model.unload()
         scale = ref.abs().max()
-        assert torch.allclose(logits[row], ref, atol=1e-4 * float(scale), rtol=0), name
+        assert torch.allclose(logits[row].cpu(), ref, atol=1e-4 * float(scale), rtol=0), name
+
+
+def test_first_step_logits_match_peft(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> None:
+    assert_first_step_logits_match_peft(tiny_llama, tiny_llama_adapters)
 
 
 def test_batch_independence(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> None:

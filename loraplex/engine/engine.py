@@ -27,9 +27,11 @@ from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.engine.sampling import sample
 from loraplex.engine.scheduler import Scheduler
 from loraplex.errors import LoraplexError, RequestError
+from loraplex.layers.lora_linear import use_lora_kernels
 from loraplex.models.embedded import resolve_model
 from loraplex.models.loader import load_model
 from loraplex.models.registry import model_config
+from loraplex.ops.lora import resolve_lora_kernels
 from loraplex.ops.lora_batch import BatchMapping, LoRABatch
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,8 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.model = load_model(folder, self.model_config, config.max_loras, config.max_lora_rank,
                                 self.dtype, self.device)
+        self.lora_kernels = resolve_lora_kernels(config.lora_kernels, self.device)
+        use_lora_kernels(self.model, self.lora_kernels, config.max_num_batched_tokens)
         self.tokenizer: PreTrainedTokenizerBase | None = (
             AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None)
         block_bytes = KVCache.bytes_per_block(self.model_config, config.block_size, self.dtype)
@@ -88,10 +92,11 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._generator = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
-        logger.info("model %s (%s, %s on %s): %d layers; %d LoRA slots, host tier %d, max rank %d; "
-                    "KV cache %d blocks x %d tokens (%.1f MiB)", self.model_name, self.model_config.architecture,
-                    self.dtype, self.device, self.model_config.num_layers, config.max_loras, config.max_cpu_loras,
-                    config.max_lora_rank, num_blocks, config.block_size, num_blocks * block_bytes / 2**20)
+        logger.info("model %s (%s, %s on %s): %d layers; %d LoRA slots, host tier %d, max rank %d, %s LoRA "
+                    "kernels; KV cache %d blocks x %d tokens (%.1f MiB)", self.model_name,
+                    self.model_config.architecture, self.dtype, self.device, self.model_config.num_layers,
+                    config.max_loras, config.max_cpu_loras, config.max_lora_rank, self.lora_kernels, num_blocks,
+                    config.block_size, num_blocks * block_bytes / 2**20)
 
     # ---- adapters (any thread) ----
     def load_adapter(self, name: str, path: str | Path) -> AdapterInfo:

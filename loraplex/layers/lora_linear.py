@@ -9,6 +9,10 @@ row-wise and its B halves block-diagonally, at the adapter's real ranks:
 
 so that ``x @ lora_a[s, :R_s]^T @ lora_b[s, :, :R_s]^T`` equals the concatenated per-projection
 deltas. A projection the adapter does not target contributes rank 0.
+
+The LoRA delta runs on torch ops (``loraplex.ops.lora``) or, once ``use_lora_kernels(model, "triton",
+...)`` gave the layers shared ``LoRAStepBuffers``, on the Triton kernels (``loraplex.ops.lora_triton``),
+which read the slot ranks and blocks from device tensors kept in step with every slot write.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch import nn
 from loraplex.ops.dense import dense_linear, pack_weight, unpack_weight
 from loraplex.ops.lora import Blocks, LoRACache, add_lora
 from loraplex.ops.lora_batch import LoRABatch
+from loraplex.ops.lora_step_buffers import LoRAStepBuffers
 
 
 class LoRALinear(nn.Module):
@@ -62,6 +67,12 @@ class LoRALinear(nn.Module):
                              persistent=False)  # [max_loras, out, R_max]
         self.slot_ranks = [0] * max_loras  # packed rank R_s per slot; 0 = slot empty for this layer
         self.slot_blocks: list[Blocks] = [()] * max_loras  # per slot: B's (out, rank) block per projection
+        # the same two tables on the device, rewritten in place by every slot write (read by the Triton kernels)
+        self.register_buffer("slot_ranks_dev", torch.zeros(max_loras, dtype=torch.int32, device=device),
+                             persistent=False)  # [max_loras]
+        self.register_buffer("slot_blocks_dev", torch.zeros(max_loras, len(names), 4, dtype=torch.int32,
+                                                            device=device), persistent=False)  # [max_loras, P, 4]
+        self.step_buffers: LoRAStepBuffers | None = None  # set: the Triton kernels compute the delta
         self.lora_cache = LoRACache()  # weight views and per-batch plan; cleared on every slot write
         # oneDNN-packed copy of ``weight`` once ``pack_dense()`` ran (``weight`` is then None)
         self.packed_weight: torch.Tensor | None = None
@@ -95,6 +106,8 @@ class LoRALinear(nn.Module):
             rank_offset += r
         self.slot_ranks[slot] = rank_offset
         self.slot_blocks[slot] = tuple(blocks)
+        self.slot_ranks_dev[slot] = rank_offset
+        self.slot_blocks_dev[slot] = torch.tensor(blocks, dtype=torch.int32)
         self.lora_cache.clear()
 
     def clear_slot(self, slot: int) -> None:
@@ -103,15 +116,39 @@ class LoRALinear(nn.Module):
         self.lora_b[slot].zero_()
         self.slot_ranks[slot] = 0
         self.slot_blocks[slot] = ()
+        self.slot_ranks_dev[slot] = 0
+        self.slot_blocks_dev[slot] = 0
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         # x: [T, in] -> [T, sum(out)]
         y = dense_linear(x, self.weight, self.packed_weight, self.bias)
-        if lora is not None and lora.has_lora:
+        if lora is None or not lora.has_lora:
+            return y
+        if self.step_buffers is None:
             add_lora(y, x, self.lora_a, self.lora_b, self.slot_ranks, lora, slot_blocks=self.slot_blocks,
                      cache=self.lora_cache)
+        else:
+            from loraplex.ops.lora_triton import add_lora_triton  # lazy: importing Triton picks JIT or interpreter
+
+            self.step_buffers.prepare(lora)  # refilled once per step (the first layer); version checked
+            add_lora_triton(y, x, self.lora_a, self.lora_b, self.slot_ranks_dev, self.slot_blocks_dev,
+                            self.step_buffers, block_width=max(self.out_features))
         return y
 
     def _apply(self, fn, recurse: bool = True):  # .to(), .float(), ...: the buffers are replaced
         self.lora_cache.clear()
         return super()._apply(fn, recurse)
+
+
+def use_lora_kernels(model: nn.Module, kernels: str, max_tokens: int) -> None:
+    """Make every ``LoRALinear`` of ``model`` compute its delta with ``kernels`` ("torch" or "triton",
+    as ``loraplex.ops.lora.resolve_lora_kernels`` returns them). The Triton layers share one
+    ``LoRAStepBuffers`` sized for ``max_tokens`` tokens per step, on the layers' device."""
+    if kernels not in ("torch", "triton"):
+        raise ValueError(f"kernels must be 'torch' or 'triton', got {kernels!r}")
+    linears = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    buffers = None
+    if kernels == "triton" and linears:
+        buffers = LoRAStepBuffers(max_tokens, linears[0].lora_a.shape[0], linears[0].lora_a.device)
+    for linear in linears:
+        linear.step_buffers = buffers

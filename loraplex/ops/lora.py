@@ -25,14 +25,19 @@ dispatch costs as much as a few token rows of LoRA arithmetic, so op counts matt
   zeroed after the shrink and add exact zeros to a real row; every group runs at the batch's largest
   rank in this layer, ``max_g R_{s_g}`` (not ``R_max``): a smaller adapter's extra A rows and B
   columns are zeros, so they add exact zeros too.
+
+On CUDA the same op runs as Triton kernels (``loraplex.ops.lora_triton``); ``resolve_lora_kernels``
+chooses per device.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Sequence
 
 import torch
 
+from loraplex.config import LORA_KERNELS
 from loraplex.ops.lora_batch import GROUPED, LORA_METHODS, PADDED, SEGMENTS, LoRABatch
 
 Blocks = tuple[tuple[int, int, int, int], ...]  # (out_lo, out_hi, rank_lo, rank_hi) per projection
@@ -62,6 +67,30 @@ class LoRACache:
                 self.views.clear()
             found = self.views[key] = make()
         return found
+
+
+def resolve_lora_kernels(requested: str, device: torch.device) -> str:
+    """``EngineConfig.lora_kernels`` -> "torch" or "triton". "auto": Triton on CUDA when it is installed,
+    torch elsewhere. "triton" needs Triton and a CUDA device, or Triton's interpreter for CPU tensors
+    (``TRITON_INTERPRET=1`` set before Triton is first imported); otherwise a ValueError says which."""
+    if requested not in LORA_KERNELS:
+        raise ValueError(f"lora_kernels must be one of {LORA_KERNELS}, got {requested!r}")
+    installed = importlib.util.find_spec("triton") is not None
+    if requested == "auto":
+        return "triton" if device.type == "cuda" and installed else "torch"
+    if requested == "triton":
+        if not installed:
+            raise ValueError("lora_kernels='triton' needs the triton package: pip install 'loraplex[gpu]'")
+        if device.type != "cuda" and not _triton_interprets():
+            raise ValueError(f"lora_kernels='triton' on {device.type} needs Triton's interpreter "
+                             "(TRITON_INTERPRET=1 set before triton is imported); use a CUDA device")
+    return requested
+
+
+def _triton_interprets() -> bool:
+    import triton  # lazy: only asked when Triton kernels are requested off CUDA
+
+    return bool(triton.knobs.runtime.interpret)
 
 
 def add_lora(
