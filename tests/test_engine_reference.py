@@ -27,21 +27,23 @@ def arch_adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return make_adapters(tiny_model, tmp_path_factory.mktemp("adapters"))
 
 
-def assert_mixed_batch_equals_hf_peft(tiny_model: Path, arch_adapters: dict[str, Path], **engine_config) -> None:
+def assert_mixed_batch_equals_hf_peft(tiny_model: Path, arch_adapters: dict[str, Path], num_prompts: int = 10,
+                                      max_tokens: int = MAX_TOKENS, **engine_config) -> None:
     """Several adapters of different ranks and target sets, base-only requests and different prompt
     lengths in one batch generate what HF + PEFT generates for each alone; ``engine_config`` adds
     ``EngineConfig`` fields (the Triton kernel tests force ``lora_kernels="triton"``)."""
     names = [*ADAPTER_SPECS, None]
-    prompts = random_prompts(10, seed=1)
+    prompts = random_prompts(num_prompts, seed=1)
     chosen = [names[i % len(names)] for i in range(len(prompts))]
     llm = LLM(model=str(tiny_model), max_loras=4, max_lora_rank=16, kv_cache_blocks=256, debug_checks=True,
               **engine_config)
     for name, folder in arch_adapters.items():
         llm.load_adapter(name, folder)
-    outs = llm.generate(prompts, GREEDY, adapters=chosen)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, adapters=chosen)
     for name in names:
         idx = [i for i, c in enumerate(chosen) if c == name]
-        expected = with_adapter(tiny_model, arch_adapters.get(name), [prompts[i] for i in idx], MAX_TOKENS)
+        expected = with_adapter(tiny_model, arch_adapters.get(name), [prompts[i] for i in idx], max_tokens)
         for i, exp in zip(idx, expected, strict=True):
             assert outs[i].token_ids == exp, f"prompt {i} adapter {name}"
 
