@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.adapters.batch_indices import BatchMapping, build_lora_batch
 from loraplex.config import EngineConfig
 from loraplex.layers.lora_linear import LoRALinear, use_lora_kernels
 from loraplex.ops.lora import resolve_lora_kernels
+from loraplex.ops.lora_batch import BatchMapping, build_lora_batch
 from loraplex.ops.lora_step_buffers import LoRAStepBuffers, StaleLoRAIndices, slot_tables
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,6 +60,15 @@ def test_an_equal_mapping_under_a_new_layout_refills() -> None:
         buffers.check(after.slot_version)
     buffers.prepare(after)
     assert buffers.rows.tolist()[:2] == [1, 0] and buffers.slot_version == 5
+
+
+def test_batch_moves_its_index_tensors_to_the_device() -> None:
+    """The runner hands the layers a batch on the model's device (the ops index x, y and the slots with it)."""
+    batch = build_lora_batch(BatchMapping.from_sequences([(3, 2), (None, 1), (4, 1)]), {3: 1, 4: 0}, 7)
+    assert batch.to(torch.device("cpu")) is batch
+    moved = batch.to(torch.device("meta"))
+    assert {t.device.type for t in (moved.token_slots, moved.seq_slots, moved.order)} == {"meta"}
+    assert (moved.group_slots, moved.group_offsets, moved.slot_version) == ((0, 1), (0, 1, 3), 7)
 
 
 def test_device_slot_tables_follow_slot_writes() -> None:

@@ -169,6 +169,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
+        self._lora_on_device: tuple[LoRABatch, LoRABatch] | None = None  # (as given, on self.device)
 
     @torch.inference_mode()
     def execute(self, entries: Sequence[StepEntry], lora: LoRABatch | None) -> torch.Tensor:
@@ -177,4 +178,8 @@ class ModelRunner:
         step = prepare_step(entries, self.block_size, self.model.config, self.dtype, self.device)
         if lora is not None and lora.num_tokens != step.attn.num_tokens:
             raise ValueError(f"LoRA batch has {lora.num_tokens} tokens, the step has {step.attn.num_tokens}")
+        if lora is not None:  # memoised on the batch object, so a repeated batch keeps its plan on the device
+            if self._lora_on_device is None or self._lora_on_device[0] is not lora:
+                self._lora_on_device = (lora, lora.to(self.device))
+            lora = self._lora_on_device[1]
         return self.model(step.input_ids, step.positions, step.attn, self.kv_cache.kv, lora, step.logits_rows)

@@ -8,7 +8,7 @@ was derived from, so a memo keyed on (mapping, version) can never serve indices 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -72,6 +72,14 @@ class LoRABatch:
     group_slots: tuple[int, ...]  # [G] distinct slots, ascending
     group_offsets: tuple[int, ...]  # [G + 1]
     slot_version: int
+
+    def to(self, device: torch.device) -> LoRABatch:
+        """This batch with its index tensors on ``device`` (itself if they are there already: its cached
+        plan stays). The ops index x, y and the slot weights with them, so they must share a device."""
+        if self.token_slots.device == device:
+            return self
+        return replace(self, token_slots=self.token_slots.to(device), seq_slots=self.seq_slots.to(device),
+                       order=self.order.to(device))
 
     @property
     def has_lora(self) -> bool:
