@@ -13,10 +13,11 @@ from loraplex.engine.kv_cache import BlockAllocator, KVCache
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.layers.lora_linear import LoRALinear, use_lora_kernels
 from loraplex.models.llama import LlamaForCausalLM
+from loraplex.models.registry import model_config
 
 
 def llama_config(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int) -> ModelConfig:
-    return ModelConfig.from_hf({
+    return model_config({
         "architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,
         "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": heads,
         "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,

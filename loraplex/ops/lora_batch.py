@@ -78,8 +78,7 @@ class LoRABatch:
         plan stays). The ops index x, y and the slot weights with them, so they must share a device."""
         if self.token_slots.device == device:
             return self
-        return replace(self, token_slots=self.token_slots.to(device), seq_slots=self.seq_slots.to(device),
-                       order=self.order.to(device))
+        return replace(self, token_slots=self.token_slots.to(device), order=self.order.to(device))
 
     @property
     def has_lora(self) -> bool:

@@ -51,8 +51,9 @@ def test_replays_with_stale_tails_and_a_slot_write_between_steps(kernel_device: 
     captured = addresses()
 
     def activate(aid: int) -> None:
-        slot, needs_write, _ = table.acquire(aid)
-        if needs_write:
+        resident = aid in table.slot_of
+        slot, _ = table.acquire(aid)
+        if not resident:
             layer.set_slot(slot, {n: (a.to(kernel_device), b.to(kernel_device)) for n, (a, b) in adapters[aid].items()})
 
     def replay(x: torch.Tensor, y_base: torch.Tensor) -> torch.Tensor:
