@@ -26,9 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
+from loraplex.ops.lora import Blocks
 from loraplex.ops.lora_batch import LoRABatch
-
-Blocks = tuple[tuple[int, int, int, int], ...]  # (out_lo, out_hi, rank_lo, rank_hi) per projection
 
 
 class StaleLoRAIndices(RuntimeError):
