@@ -11,7 +11,6 @@ Every error message starts with the folder and names the exact problem.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -22,8 +21,10 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+import xxhash
 
-from loraplex.config import ModelConfig
+from loraplex.adapters.weight_file import read_weight_file
+from loraplex.config import ModelConfig, Projection
 from loraplex.errors import (
     AdapterNotFound,
     AdapterRankTooLarge,
@@ -33,8 +34,6 @@ from loraplex.errors import (
 )
 
 CONFIG_FILE = "adapter_config.json"
-SAFETENSORS_FILE = "adapter_model.safetensors"
-PICKLE_FILE = "adapter_model.bin"
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<half>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
 _MODULE = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<proj>\w+)$")
@@ -127,7 +126,7 @@ class AdapterWeights:
     path: str
     config: AdapterConfig
     modules: Mapping[ModuleKey, tuple[torch.Tensor, torch.Tensor]]  # float32, B scale-folded
-    content_hash: str  # sha256 of the normalised config and the served tensors
+    content_hash: str  # xxh3-128 of the normalised config and the served tensors (change detection)
     max_rank: int
     nbytes: int
 
@@ -149,14 +148,16 @@ def read_peft_adapter(
     if not isinstance(raw, dict):
         raise InvalidAdapter(f"{folder}: {CONFIG_FILE} must hold a JSON object")
     config = AdapterConfig.from_dict(raw, str(folder))
-    tensors = _load_tensors(folder, allow_pickle)
-    modules = _build_modules(folder, config, tensors, model_config, max_lora_rank)
-    digest = hashlib.sha256(json.dumps(raw, sort_keys=True).encode())
+    weight_file = read_weight_file(folder, allow_pickle)
+    modules = _build_modules(folder, config, weight_file.tensors, weight_file.flat, model_config, max_lora_rank)
+    # A content hash, not a security boundary: xxh3-128 reads ~16 GB/s (sha256 ~1.5), and the hash is on a
+    # cold load's critical path. It covers the normalised config and the served (scale-folded) tensors.
+    digest = xxhash.xxh3_128(json.dumps(raw, sort_keys=True).encode())
     for key in sorted(modules):
         a, b = modules[key]
         digest.update(repr(key).encode())
-        digest.update(a.numpy().tobytes())
-        digest.update(b.numpy().tobytes())
+        digest.update(a.numpy())
+        digest.update(b.numpy())
     return AdapterWeights(
         path=str(folder),
         config=config,
@@ -167,38 +168,18 @@ def read_peft_adapter(
     )
 
 
-def _load_tensors(folder: Path, allow_pickle: bool) -> dict[str, torch.Tensor]:
-    safetensors_path, pickle_path = folder / SAFETENSORS_FILE, folder / PICKLE_FILE
-    if safetensors_path.is_file():
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            return load_file(safetensors_path, device="cpu")
-        except (SafetensorError, OSError, ValueError) as e:
-            raise InvalidAdapter(f"{folder}: cannot read {SAFETENSORS_FILE} ({e})") from e
-    if pickle_path.is_file():
-        if not allow_pickle:
-            raise UnsupportedAdapter(
-                f"{folder}: only {PICKLE_FILE} (a pickle) is present; pickles are refused unless "
-                "explicitly allowed (allow_pickle_adapters); convert it to safetensors")
-        try:
-            state = torch.load(pickle_path, map_location="cpu", weights_only=True)
-        except Exception as e:  # torch raises many unrelated types for a bad pickle
-            raise InvalidAdapter(f"{folder}: cannot read {PICKLE_FILE} ({e})") from e
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise InvalidAdapter(f"{folder}: {PICKLE_FILE} does not hold a name -> tensor dict")
-        return state
-    raise InvalidAdapter(f"{folder}: no {SAFETENSORS_FILE} in the adapter folder")
-
-
 def _build_modules(
     folder: Path,
     config: AdapterConfig,
     tensors: Mapping[str, torch.Tensor],
+    flat: torch.Tensor | None,
     model_config: ModelConfig,
     max_lora_rank: int,
 ) -> dict[ModuleKey, tuple[torch.Tensor, torch.Tensor]]:
+    """Per module, ``(A [r, in], B [out, r])`` in float32, B scale-folded. ``flat``, when given, holds every
+    tensor's elements: one reduction then checks all values (a finite sum means no NaN/inf anywhere; else
+    each tensor is checked, for the error message), and B is folded in place (``tensors`` are views of it)."""
+    all_finite = flat is not None and bool(torch.isfinite(flat.sum()))
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
@@ -212,8 +193,9 @@ def _build_modules(
         halves.setdefault(match["module"], {})[match["half"]] = tensor
     projections = model_config.projections()
     modules: dict[ModuleKey, tuple[torch.Tensor, torch.Tensor]] = {}
+    in_place: dict[float, list[torch.Tensor]] = {}  # scale -> the float32 Bs (views of ``flat``) to fold
     for module, pair in sorted(halves.items()):
-        layer_idx, proj = _locate(folder, module, model_config)
+        layer_idx, proj = _locate(folder, module, model_config, projections)
         for half, other in (("lora_A", "lora_B"), ("lora_B", "lora_A")):
             if half not in pair:
                 raise InvalidAdapter(f"{folder}: module {module!r} has {other} but no {half} tensor")
@@ -233,20 +215,26 @@ def _build_modules(
                     f"(rank {r}; base {proj} is {in_features} -> {out_features})")
             if not tensor.is_floating_point():
                 raise InvalidAdapter(f"{folder}: {module}.{half} has non-float dtype {tensor.dtype}")
-            if not bool(torch.isfinite(tensor).all()):
+            if not all_finite and not bool(torch.isfinite(tensor).all()):
                 raise InvalidAdapter(f"{folder}: {module}.{half} contains NaN or inf values")
-        a32 = a.to(torch.float32).contiguous()  # [r, in]
-        b32 = (b.to(torch.float32) * config.scale_for(module)).contiguous()  # [out, r]
-        modules[(layer_idx, proj)] = (a32, b32)
+        scale = config.scale_for(module)
+        if flat is None:
+            b = (b.to(torch.float32) * scale).contiguous()
+        else:  # folded in place below, one op per distinct scale
+            in_place.setdefault(scale, []).append(b)
+        modules[(layer_idx, proj)] = (a.to(torch.float32).contiguous(), b)  # A [r, in], B [out, r]
     if not modules:
         raise InvalidAdapter(f"{folder}: the adapter applies to zero modules (no LoRA tensors); "
                              "refusing to serve it as the base model")
+    for scale, bs in in_place.items():
+        torch._foreach_mul_(bs, scale)
     return modules
 
 
-def _locate(folder: Path, module: str, model_config: ModelConfig) -> ModuleKey:
-    """``...layers.N.self_attn.q_proj`` -> (N, "q_proj"); anything else is not adaptable."""
-    projections = model_config.projections()
+def _locate(folder: Path, module: str, model_config: ModelConfig,
+            projections: Mapping[str, Projection]) -> ModuleKey:
+    """``...layers.N.self_attn.q_proj`` -> (N, "q_proj"); anything else is not adaptable.
+    ``projections`` is ``model_config.projections()`` (built once per adapter, not per module)."""
     match = _MODULE.search(module)
     projection = projections.get(match["proj"]) if match is not None else None
     if projection is None or projection.parent != match["parent"]:
