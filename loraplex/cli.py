@@ -38,6 +38,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"KV cache size in blocks of {d.block_size} tokens (default: {d.kv_cache_bytes >> 20} MiB)")
     p.add_argument("--dtype", default=d.dtype, help="auto (float32 on CPU), float32, bfloat16, float16")
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument("--quantization", default=None, choices=EngineConfig.QUANTIZATIONS,
+                   help="store the base weights as weight-only int8 (LoRA stays float)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the kernels (default: torch's, one per core; fewer on a busy host)")
     p.add_argument("--log-level", default="INFO", type=str.upper,
@@ -79,7 +81,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_loras=args.max_loras,
                             max_cpu_loras=cpu_loras, max_lora_rank=args.max_lora_rank,
                             max_num_seqs=args.max_num_seqs, kv_cache_blocks=args.kv_cache_blocks,
-                            num_threads=args.threads)
+                            num_threads=args.threads, quantization=args.quantization)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

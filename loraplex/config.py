@@ -240,6 +240,11 @@ class EngineConfig:
     # (one per core). On a shared host, fewer threads than busy cores avoids OpenMP oversubscription.
     num_threads: int | None = None
     lora_kernels: str = "auto"  # one of LORA_KERNELS
+    # Base weights: None keeps them in ``dtype``; "int8" stores every base projection and the lm_head as
+    # weight-only int8, per output channel (``loraplex.ops.int8``); LoRA weights and activations stay float.
+    quantization: str | None = None
+
+    QUANTIZATIONS: ClassVar[tuple[str, ...]] = ("int8",)
 
     def __post_init__(self) -> None:
         if self.lora_kernels not in LORA_KERNELS:
@@ -247,6 +252,9 @@ class EngineConfig:
         for field in ("max_loras", "max_cpu_loras", "max_lora_rank", "max_num_seqs", "block_size"):
             if getattr(self, field) < 1:
                 raise ValueError(f"EngineConfig.{field} must be >= 1, got {getattr(self, field)}")
+        if self.quantization is not None and self.quantization not in self.QUANTIZATIONS:
+            raise ValueError(f"EngineConfig.quantization must be None or one of {self.QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineConfig.num_threads must be >= 1 or None, got {self.num_threads}")
         if self.max_cpu_loras < self.max_loras:

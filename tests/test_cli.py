@@ -38,6 +38,12 @@ def test_threads_flag_reaches_the_engine_config() -> None:
     assert engine_config(parser.parse_args(["serve"]), parser).num_threads is None
 
 
+def test_quantization_flag_reaches_the_engine_config() -> None:
+    parser = build_parser()
+    assert engine_config(parser.parse_args(["serve", "--quantization", "int8"]), parser).quantization == "int8"
+    assert engine_config(parser.parse_args(["generate", "hi"]), parser).quantization is None
+
+
 @pytest.mark.parametrize("argv", [
     ["serve", "--adapter", "no-equals-sign"],
     ["serve", "--adapter", "=path"],
@@ -46,6 +52,7 @@ def test_threads_flag_reaches_the_engine_config() -> None:
     ["serve", "--max-loras", "0"],
     ["serve", "--port", "eighty"],
     ["serve", "--threads", "0"],
+    ["serve", "--quantization", "int4"],
     ["generate"],
 ])
 def test_bad_arguments_are_clean_argparse_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -73,6 +73,8 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.model = load_model(folder, self.model_config, config.max_loras, config.max_lora_rank,
                                 self.dtype, self.device)
+        if config.quantization == "int8":
+            self.model.quantize_int8()
         self.lora_kernels = resolve_lora_kernels(config.lora_kernels, self.device)
         use_lora_kernels(self.model, self.lora_kernels, config.max_num_batched_tokens)
         self.tokenizer: PreTrainedTokenizerBase | None = (

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from loraplex.ops.dense import dense_linear, pack_weight, unpack_weight
+from loraplex.ops.int8 import Int8Weight
 from loraplex.ops.lora import Blocks, LoRACache, add_lora
 from loraplex.ops.lora_batch import LoRABatch
 from loraplex.ops.lora_step_buffers import LoRAStepBuffers
@@ -74,19 +75,30 @@ class LoRALinear(nn.Module):
                                                             device=device), persistent=False)  # [max_loras, P, 4]
         self.step_buffers: LoRAStepBuffers | None = None  # set: the Triton kernels compute the delta
         self.lora_cache = LoRACache()  # weight views and per-batch plan; cleared on every slot write
-        # oneDNN-packed copy of ``weight`` once ``pack_dense()`` ran (``weight`` is then None)
+        # oneDNN-packed copy of ``weight`` once ``pack_dense()`` ran, or its int8 form once ``quantize_int8()``
+        # ran; ``weight`` is then None
         self.packed_weight: torch.Tensor | None = None
+        self.int8_weight: Int8Weight | None = None
+
+    def quantize_int8(self) -> None:
+        """Replace the base weight by its weight-only int8 form (``loraplex.ops.int8``); LoRA slots stay
+        float. Call after the weights are loaded and before ``pack_dense`` (which then leaves it alone)."""
+        if self.int8_weight is None:
+            self.int8_weight = Int8Weight.from_float(self.dense_weight())
+            self.weight, self.packed_weight = None, None
 
     def pack_dense(self) -> None:
         """Reorder the base weight once for the CPU GEMM library and drop the plain copy (a no-op where
         ``ops.dense`` does not pack, or when already packed). Call after the weights are loaded."""
-        if self.packed_weight is None and self.weight is not None:
+        if self.packed_weight is None and self.weight is not None and self.int8_weight is None:
             self.packed_weight = pack_weight(self.weight)
             if self.packed_weight is not None:
                 self.weight = None
 
     def dense_weight(self) -> torch.Tensor:
-        """The base weight ``[sum(out), in]``, plain (a copy if packed)."""
+        """The base weight ``[sum(out), in]``, plain (a copy if packed; dequantized if int8)."""
+        if self.int8_weight is not None:
+            return self.int8_weight.dense(self.lora_a.dtype)
         return unpack_weight(self.packed_weight) if self.weight is None else self.weight
 
     def set_slot(self, slot: int, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -121,7 +133,10 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         # x: [T, in] -> [T, sum(out)]
-        y = dense_linear(x, self.weight, self.packed_weight, self.bias)
+        if self.int8_weight is not None:
+            y = self.int8_weight.linear(x, self.bias)
+        else:
+            y = dense_linear(x, self.weight, self.packed_weight, self.bias)
         if lora is None or not lora.has_lora:
             return y
         if self.step_buffers is None:

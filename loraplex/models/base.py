@@ -33,6 +33,7 @@ from loraplex.layers.norms import RMSNorm
 from loraplex.layers.rotary import RotaryEmbedding
 from loraplex.models.slot_writer import AdapterModules, write_adapter_slot
 from loraplex.ops.dense import dense_linear, pack_weight
+from loraplex.ops.int8 import Int8Weight
 from loraplex.ops.lora_batch import LoRABatch
 
 
@@ -64,8 +65,10 @@ class CausalLM(nn.Module):
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device))
         if self.lm_head is not None:
             self.lm_head.weight.requires_grad_(False)
-        # oneDNN-packed lm_head once ``pack_dense()`` ran; the plain one stays (tied: the embedding reads it)
+        # oneDNN-packed lm_head once ``pack_dense()`` ran, or its int8 form once ``quantize_int8()`` ran; the
+        # plain one stays (tied: the embedding reads it)
         self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_int8: Int8Weight | None = None
 
     def make_layer(self, index: int) -> nn.Module:
         """Decoder block ``index``; it must provide ``adapted() -> tuple[LoRALinear, ...]``."""
@@ -96,20 +99,41 @@ class CausalLM(nn.Module):
         return [layer.adapted() for layer in self.layers]
 
     def pack_dense(self) -> None:
-        """Pack every base matmul's weight for the CPU GEMM library (``loraplex.ops.dense``); idempotent."""
+        """Pack every base matmul's weight for the CPU GEMM library (``loraplex.ops.dense``); idempotent.
+        Weights already in int8 stay as they are."""
         for linears in self.adapted_layers():
             for linear in linears:
                 linear.pack_dense()
-        if self.lm_head_packed is None:
+        if self.lm_head_packed is None and self.lm_head_int8 is None:
             self.lm_head_packed = pack_weight(self.lm_head_weight)
+
+    def quantize_int8(self) -> None:
+        """Every base projection and the lm_head to weight-only int8 (``loraplex.ops.int8``); idempotent.
+        LoRA slots, norms and (untied) embeddings stay float. With tied embeddings the embedding table is
+        replaced by the dequantized lm_head, so both read the same weights, as in the float model."""
+        for linears in self.adapted_layers():
+            for linear in linears:
+                linear.quantize_int8()
+        if self.lm_head_int8 is None:
+            self.lm_head_int8 = Int8Weight.from_float(self.lm_head_weight)
+            self.lm_head_packed = None
+            if self.lm_head is None:
+                self.embed_tokens.weight.copy_(self.lm_head_int8.dense(self.dtype))
+            else:
+                self.lm_head = None  # the int8 form replaces it
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [vocab, hidden]
+        """``[vocab, hidden]``: the embedding when tied, a dequantized copy when int8."""
+        if self.lm_head_int8 is not None:
+            return self.lm_head_int8.dense(self.dtype)
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def logits(self, hidden: torch.Tensor, logits_rows: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head of rows ``logits_rows [S]`` of ``hidden [T, hidden]`` -> float32 ``[S, vocab]``."""
         last = self.norm(hidden.index_select(0, logits_rows))  # [S, hidden]
+        if self.lm_head_int8 is not None:
+            return self.lm_head_int8.linear(last).float()
         return dense_linear(last, self.lm_head_weight, self.lm_head_packed).float()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
