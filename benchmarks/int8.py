@@ -60,7 +60,8 @@ def decode_tok_s(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-    prefixes = [next((i for i, (x, y) in enumerate(zip(p, q, strict=True)) if x != y), len(p)) for p, q in zip(a, b)]
+    prefixes = [next((i for i, (x, y) in enumerate(zip(p, q, strict=True)) if x != y), len(p))
+                for p, q in zip(a, b, strict=True)]
     equal_tokens = sum(x == y for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True))
     return {"identical_requests": sum(p == q for p, q in zip(a, b, strict=True)), "requests": len(a),
             "token_agreement": equal_tokens / sum(len(p) for p in a),
