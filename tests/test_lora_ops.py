@@ -154,6 +154,21 @@ def test_packed_blocks_match_full_expand(block_ranks: list[tuple[int, ...]], seq
         check_op(y0, x, a, b, ranks, batch, expected, method, slot_blocks=slot_blocks, strided_y=True)
 
 
+@pytest.mark.parametrize("slots", [(0, 1, 2), (0, 2)])
+@pytest.mark.parametrize("per_slot", [1, 4])
+def test_rows_sorted_by_slot_run_through_views(slots: tuple[int, ...], per_slot: int) -> None:
+    """A decode batch sorted by slot with equal groups (what the engine builds): the padded method reads x
+    and writes y through views (no gather or scatter), block by block into column slices of a strided y."""
+    seqs = [(None, 1), *[(s, 1) for s in slots for _ in range(per_slot)], (None, 1)]
+    y0, x, a, b, ranks, slot_blocks, batch = packed_case([(3, 5, 2)] * 3, (16, 8, 8), seqs, seed=per_slot)
+    assert batch.padded.contiguous == (1, 1 + len(slots) * per_slot)
+    assert (batch.slot_span is None) == (slots == (0, 2))
+    expected = reference(y0, x, a, b, ranks, batch.token_slots)
+    for method in METHODS:
+        for blocks in (slot_blocks, None):
+            check_op(y0, x, a, b, ranks, batch, expected, method, slot_blocks=blocks, strided_y=True)
+
+
 def test_rank_zero_slots_add_nothing() -> None:
     """An adapter that does not target this layer sits in a slot with rank 0: its tokens keep y."""
     y0, x, a, b, ranks, slot_blocks, batch = packed_case([(0, 0), (2, 3), (0, 0)], (8, 8),
@@ -177,6 +192,7 @@ def test_batch_plan_fields() -> None:
     layout = batch.padded  # groups of 3 and 4 tokens -> a [2, 4] grid, one pad cell repeating row 5
     assert layout.max_group_tokens == 4 and layout.rows.tolist() == [5, 7, 8, 5, 0, 1, 2, 6]
     assert layout.pad_mask.flatten().tolist() == [False, False, False, True] + [False] * 4
+    assert layout.contiguous is None  # pad cells, and rows out of order
     assert batch.method in LORA_METHODS
     assert build_lora_batch(mapping, {5: 3, 7: 4}, 0).slot_span == (3, 5)
 

@@ -181,7 +181,15 @@ def _add_padded(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     else:  # copies of just the groups' slots, at rank R and block by block
         a_t, *b_ts = _grid_weights(lora_a, lora_b, rank, blocks, lambda t: t.index_select(0, batch.slots_tensor))
     layout = batch.padded
-    grid = x.index_select(0, layout.rows).view(len(batch.group_slots), layout.max_group_tokens, -1)
+    g, m = len(batch.group_slots), layout.max_group_tokens
+    if layout.contiguous is not None:  # x and y through views; the expand accumulates into y in place
+        lo, hi = layout.contiguous
+        shrunk = torch.bmm(x[lo:hi].reshape(g, m, -1), a_t)  # [G, M, R]
+        out = y[lo:hi].view(g, m, -1)  # [G, M, out]
+        for (o_lo, o_hi, r_lo, r_hi), b_t in zip(blocks, b_ts, strict=True):
+            out[:, :, o_lo:o_hi].baddbmm_(shrunk[:, :, r_lo:r_hi], b_t)
+        return
+    grid = x.index_select(0, layout.rows).view(g, m, -1)
     shrunk = torch.bmm(grid, a_t)  # [G, M, R]
     if layout.pad_mask is not None:
         shrunk.masked_fill_(layout.pad_mask, 0.0)

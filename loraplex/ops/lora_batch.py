@@ -54,6 +54,9 @@ class PaddedLayout:
     rows: torch.Tensor  # [G * M] int64
     pad_mask: torch.Tensor | None  # [G, M, 1] bool, True = pad cell
     max_group_tokens: int  # M
+    # (lo, hi) when the grid is exactly rows lo..hi-1 in order (groups of equal size, back to back: the
+    # batch is sorted by slot), so the ops read x and write y through views, without gather or scatter
+    contiguous: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,10 @@ class LoRABatch:
             pad_mask = torch.ones(num_groups * m, dtype=torch.bool)
             pad_mask[cells] = False
             pad_mask = pad_mask.view(num_groups, m, 1).to(device)
-        return PaddedLayout(rows.to(device), pad_mask, m)
+        contiguous = None
+        if pad_mask is None and bool((order.diff() == 1).all()):
+            contiguous = (int(order[0]), int(order[-1]) + 1)
+        return PaddedLayout(rows.to(device), pad_mask, m, contiguous)
 
     @cached_property
     def method(self) -> str:
@@ -143,10 +149,14 @@ class LoRABatch:
         g = len(self.group_slots)
         m = max((self.group_offsets[i + 1] - self.group_offsets[i] for i in range(g)), default=0)
         gather = 0.0 if self.slot_span is not None else 2 * _OP_COST
+        if self.padded.contiguous is not None:  # views of x and y: two batched GEMMs, no gather or scatter
+            padded = 2 * _OP_COST + gather + t * _PADDED_ROW_COST
+        else:
+            padded = 5 * _OP_COST + gather + g * m * _PADDED_ROW_COST + t * _GATHER_ROW_COST
         costs = {
             SEGMENTS: 2 * _OP_COST * len(self.runs) + t,
             GROUPED: 5 * _OP_COST * g + t * (1 + _GATHER_ROW_COST),
-            PADDED: 5 * _OP_COST + gather + g * m * _PADDED_ROW_COST + t * _GATHER_ROW_COST,
+            PADDED: padded,
         }
         return min(costs, key=costs.__getitem__)
 
