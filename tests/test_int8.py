@@ -12,11 +12,10 @@ from transformers import AutoModelForCausalLM
 
 from loraplex import LLM, SamplingParams
 from loraplex.ops.int8 import Int8Weight, kernel, quantize
-from tests.conftest import make_adapters
+from tests.conftest import ADAPTER_SPECS, family_targets
+from tests.fixtures import write_peft_adapter
 from tests.reference import hf_model, with_adapter
 from tests.test_engine_reference import random_prompts
-
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def reference_quantize(w: torch.Tensor) -> torch.Tensor:
@@ -62,7 +61,7 @@ def dequantized_checkpoint(base: Path, folder: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     with torch.no_grad():
         for name, module in model.named_modules():
-            if name.rsplit(".", 1)[-1] in PROJECTIONS:
+            if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":  # every projection, fused or not
                 module.weight.copy_(reference_quantize(module.weight))
         head = model.get_output_embeddings()
         head.weight.copy_(reference_quantize(head.weight))  # tied: the embedding too
@@ -72,7 +71,10 @@ def dequantized_checkpoint(base: Path, folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def int8_setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
-    adapters = make_adapters(tiny_model, tmp_path_factory.mktemp("int8-adapters"))
+    root = tmp_path_factory.mktemp("int8-adapters")
+    adapters = {name: write_peft_adapter(tiny_model, root / name, rank=rank, alpha=2 * rank, seed=i + 1,
+                                         target_modules=family_targets(tiny_model, ADAPTER_SPECS[name][1]))
+                for i, (name, rank) in enumerate((("r8_all", 8), ("r4_attn", 4)))}
     return dequantized_checkpoint(tiny_model, tmp_path_factory.mktemp("dequantized")), adapters
 
 
