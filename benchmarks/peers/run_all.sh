@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make bench`: the peers' venv, then every peer benchmark in one run, then the plots and the verdict.
 # Results: benchmarks/results/{offline,serving,crosscheck,summary}.json and *.png; logs beside them.
-# Pass options through the environment: OFFLINE_ARGS="--repeats 3", SERVING_ARGS="--rates 0.2,0.4".
+# Pass options through the environment: OFFLINE_ARGS="--repeats 3", SERVING_ARGS="--rates 0.2,0.4",
+# PREFILL_ARGS, LOADS_ARGS, INT8_ARGS.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=.venv/bin/python
@@ -13,8 +14,12 @@ mkdir -p benchmarks/results
 export GOMP_CPU_AFFINITY="${GOMP_CPU_AFFINITY:-0 1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 # shellcheck disable=SC2086
 $PY -m benchmarks.peers.offline ${OFFLINE_ARGS:-}
+$PY -m benchmarks.peers.prefill ${PREFILL_ARGS:-}
 $PY -m benchmarks.peers.crosscheck
 # shellcheck disable=SC2086
 $PY -m benchmarks.peers.serving ${SERVING_ARGS:-}
+# loraplex alone: cold adapter loads and the 1,000-adapter churn; int8 quality and speed
+$PY -m benchmarks.adapter_loads --out benchmarks/results/adapter_loads.json ${LOADS_ARGS:-}
+$PY -m benchmarks.int8 --out benchmarks/results/int8.json ${INT8_ARGS:-}
 "$PEERS_PY" benchmarks/peers/plots.py
 "$PEERS_PY" benchmarks/peers/summary.py
