@@ -106,6 +106,22 @@ def test_overwriting_a_slot_leaves_nothing_of_the_old_adapter() -> None:
     assert layer.slot_ranks == fresh.slot_ranks and layer.slot_blocks == fresh.slot_blocks
 
 
+def test_a_sequence_of_overwrites_equals_fresh_writes() -> None:
+    """A write zeroes only the previous adapter's entries it does not overwrite: after any sequence of
+    adapters (same blocks, larger or smaller ranks, other projections), the slot equals a fresh write."""
+    gen = torch.Generator().manual_seed(6)
+    rng = torch.Generator().manual_seed(7)
+    layer = make_layer()
+    for _ in range(12):
+        names = [n for n in ("q_proj", "k_proj", "v_proj") if torch.rand(1, generator=rng) < 0.7] or ["k_proj"]
+        pairs = random_pairs({n: int(torch.randint(1, 9, (1,), generator=rng)) for n in names}, gen)
+        layer.set_slot(1, pairs)
+        fresh = make_layer()
+        fresh.set_slot(1, pairs)
+        assert torch.equal(layer.lora_a, fresh.lora_a) and torch.equal(layer.lora_b, fresh.lora_b)
+        assert layer.slot_ranks == fresh.slot_ranks and layer.slot_blocks == fresh.slot_blocks
+
+
 def test_bfloat16_layer() -> None:
     gen = torch.Generator().manual_seed(5)
     layer = make_layer(dtype=torch.bfloat16, bias=True)

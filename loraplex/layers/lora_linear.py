@@ -102,25 +102,32 @@ class LoRALinear(nn.Module):
         return unpack_weight(self.packed_weight) if self.weight is None else self.weight
 
     def set_slot(self, slot: int, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write one adapter into ``slot``. ``pairs[name] = (A [r, in], B [out, r])``, B scale-folded."""
-        self.clear_slot(slot)
+        """Write one adapter into ``slot``. ``pairs[name] = (A [r, in], B [out, r])``, B scale-folded.
+
+        A slot's nonzero entries are always A's rows ``[0, R_s)`` and B's blocks ``slot_blocks[s]``, so
+        only the previous adapter's entries that this one does not overwrite are zeroed: a write touches
+        about the adapter's own bytes, not the slot's whole capacity (it runs in the step loop)."""
         rank_offset = 0
         blocks = []
         for i, name in enumerate(self.names):
-            lo, hi = self.out_offsets[i], self.out_offsets[i + 1]
-            r = 0
+            r = pairs[name][0].shape[0] if name in pairs else 0
+            blocks.append((self.out_offsets[i], self.out_offsets[i + 1], rank_offset, rank_offset + r))
+            rank_offset += r
+        self.lora_cache.clear()
+        if self.slot_ranks[slot] > rank_offset:
+            self.lora_a[slot, rank_offset : self.slot_ranks[slot]].zero_()
+        for lo, hi, r_lo, r_hi in self.slot_blocks[slot]:
+            if (lo, hi, r_lo, r_hi) not in blocks:
+                self.lora_b[slot, lo:hi, r_lo:r_hi].zero_()
+        for name, (lo, hi, r_lo, r_hi) in zip(self.names, blocks, strict=True):
             if name in pairs:
                 a, b = pairs[name]
-                r = a.shape[0]
-                self.lora_a[slot, rank_offset : rank_offset + r].copy_(a)
-                self.lora_b[slot, lo:hi, rank_offset : rank_offset + r].copy_(b)
-            blocks.append((lo, hi, rank_offset, rank_offset + r))
-            rank_offset += r
+                self.lora_a[slot, r_lo:r_hi].copy_(a)
+                self.lora_b[slot, lo:hi, r_lo:r_hi].copy_(b)
         self.slot_ranks[slot] = rank_offset
         self.slot_blocks[slot] = tuple(blocks)
         self.slot_ranks_dev[slot] = rank_offset
         self.slot_blocks_dev[slot] = torch.tensor(blocks, dtype=torch.int32)
-        self.lora_cache.clear()
 
     def clear_slot(self, slot: int) -> None:
         self.lora_cache.clear()
