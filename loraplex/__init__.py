@@ -6,6 +6,7 @@ from loraplex.errors import (
     AdapterAlreadyLoaded,
     AdapterContentChanged,
     AdapterError,
+    AdapterMemoryBudgetExceeded,
     AdapterNotFound,
     AdapterRankTooLarge,
     AdapterShapeMismatch,
@@ -29,5 +30,6 @@ def __getattr__(name: str):  # noqa: ANN202 - lazy: importing loraplex must not 
 __all__ = [
     "LLM", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutput", "LoraplexError", "AdapterError",
     "AdapterNotFound", "InvalidAdapter", "AdapterRankTooLarge", "UnsupportedAdapter", "AdapterShapeMismatch",
-    "AdapterAlreadyLoaded", "UnknownAdapter", "AdapterContentChanged", "ModelError", "RequestError",
+    "AdapterAlreadyLoaded", "UnknownAdapter", "AdapterContentChanged", "AdapterMemoryBudgetExceeded", "ModelError",
+    "RequestError",
 ]

@@ -230,6 +230,9 @@ class EngineConfig:
     kv_cache_blocks: int | None = None  # None: derive from kv_cache_bytes
     kv_cache_bytes: int = 512 * 1024**2
     allow_pickle_adapters: bool = False
+    # Host memory for adapters' saved vocabulary rows (modules_to_save embed_tokens/lm_head, trainable
+    # tokens, added tokens), held while their version is loaded; a load past it fails (never swaps).
+    saved_rows_budget_bytes: int = 512 * 1024**2
     seed: int = 0
     # Waiting requests may skip ahead of one whose adapter cannot be placed, for at most this many
     # steps; then admission turns strictly first-come-first-served until it is placed (no starvation).
@@ -255,6 +258,8 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in self.QUANTIZATIONS:
             raise ValueError(f"EngineConfig.quantization must be None or one of {self.QUANTIZATIONS}, "
                              f"got {self.quantization!r}")
+        if self.saved_rows_budget_bytes < 0:
+            raise ValueError(f"EngineConfig.saved_rows_budget_bytes must be >= 0, got {self.saved_rows_budget_bytes}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineConfig.num_threads must be >= 1 or None, got {self.num_threads}")
         if self.max_cpu_loras < self.max_loras:

@@ -36,7 +36,7 @@ class AdapterRankTooLarge(InvalidAdapter):
 
 
 class UnsupportedAdapter(InvalidAdapter):
-    """A PEFT feature loraplex does not serve (DoRA, bias, modules_to_save, pickles)."""
+    """A PEFT feature loraplex does not serve (bias, modules_to_save of other modules, pickles, ...)."""
 
 
 class AdapterShapeMismatch(InvalidAdapter):
@@ -62,6 +62,13 @@ class AdapterContentChanged(AdapterError):
 
     http_status = 409
     error_type = "conflict_error"
+
+
+class AdapterMemoryBudgetExceeded(AdapterError):
+    """Loading the adapter would pass the memory budget for saved vocabulary rows."""
+
+    http_status = 507
+    error_type = "insufficient_storage_error"
 
 
 class ModelError(LoraplexError):

@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from loraplex.adapters.manager import AdapterInfo
+from loraplex.adapters.info import AdapterInfo
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
 from loraplex.engine.request import RequestOutput, SamplingParams
@@ -59,11 +59,11 @@ class LLM:
         n = len(prompts)
         params = self._per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
         names = self._per_prompt(adapters, n, "adapters")
-        token_ids = [self.engine.tokenize(p) for p in prompts]  # type: ignore[arg-type]
-        for p in params:
-            p.validate()
         for name in set(names) - {None}:
             self.engine.adapters.resolve(name)
+        token_ids = [self.engine.tokenize(p, a) for p, a in zip(prompts, names, strict=True)]  # type: ignore[arg-type]
+        for p in params:
+            p.validate()
         ids = [self.engine.add_request(None, t, p, a) for t, p, a in zip(token_ids, params, names, strict=True)]
         results: dict[str, RequestOutput] = {}
         generated = 0

@@ -27,6 +27,9 @@ class RecordingWriter:
         self.slots: list[AdapterWeights | None] = [None] * max_loras
         self.log: list[tuple[str, int]] = []
 
+    def prepare(self, weights: AdapterWeights) -> AdapterWeights:
+        return weights  # plain LoRA: nothing to fold
+
     def set_slot(self, slot: int, weights: AdapterWeights) -> None:
         self.slots[slot] = weights
         self.log.append(("set", slot))
@@ -49,6 +52,9 @@ class LayerWriter:
                         for g in self.GROUPS] for _ in range(mc.num_layers)]
         for linear in (lin for layer in self.layers for lin in layer):
             linear.weight.data.zero_()
+
+    def prepare(self, weights: AdapterWeights) -> AdapterWeights:
+        return weights  # plain LoRA: nothing to fold
 
     def set_slot(self, slot: int, weights: AdapterWeights) -> None:
         for idx, layer in enumerate(self.layers):

@@ -114,6 +114,9 @@ Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 Q_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
 
 
+EMBED_LORA = "base_model.model.model.embed_tokens.lora_embedding_"
+
+
 def _with(key: str, value: torch.Tensor) -> Callable[[dict], dict]:
     return lambda t: dict(t, **{key: value})
 
@@ -146,15 +149,42 @@ BAD = {
     "bad_r": ("r4_attn", {"r": 0}, None, None, 16, InvalidAdapter, ["r must be a positive integer, got 0"]),
     "rank_over_limit": ("r16_mlp", None, None, None, 8, AdapterRankTooLarge,
                         ["model.layers.0.mlp.down_proj", "rank 16", "max_lora_rank=8"]),
-    "dora": ("r4_attn", {"use_dora": True}, None, None, 16, UnsupportedAdapter, ["use_dora", "DoRA"]),
+    "dora_without_magnitudes": ("r4_attn", {"use_dora": True}, None, None, 16, InvalidAdapter,
+                                ["use_dora=true", "'model.layers.0.self_attn.k_proj' has no lora_magnitude_vector"]),
+    "magnitude_without_dora": ("r4_attn", None, _with(Q_A.replace("lora_A.weight", "lora_magnitude_vector"),
+                                                      torch.ones(64)), None, 16, InvalidAdapter,
+                               ["'model.layers.0.self_attn.q_proj' has a DoRA lora_magnitude_vector",
+                                "use_dora is false"]),
     "bias": ("r4_attn", {"bias": "all"}, None, None, 16, UnsupportedAdapter, ["bias='all'"]),
-    "modules_to_save": ("r4_attn", {"modules_to_save": ["lm_head"]}, None, None, 16, UnsupportedAdapter,
-                        ["modules_to_save=['lm_head']"]),
+    "modules_to_save_other": ("r4_attn", {"modules_to_save": ["lm_head", "score"]}, None, None, 16,
+                              UnsupportedAdapter, ["'score' is not supported", "saved embed_tokens and lm_head only"]),
+    "modules_to_save_missing": ("r4_attn", {"modules_to_save": ["lm_head"]}, None, None, 16, InvalidAdapter,
+                                ["modules_to_save lists lm_head", "no lm_head.weight tensor"]),
+    "saved_not_listed": ("r4_attn", None, _with("base_model.model.lm_head.weight", torch.zeros(49152, 64)), None,
+                         16, InvalidAdapter, ["'lm_head.weight' replaces lm_head", "modules_to_save=[]"]),
+    "saved_other_module": ("r4_attn", None, _with("base_model.model.model.norm.weight", torch.ones(64)), None, 16,
+                           InvalidAdapter, ["would replace or retrain module 'model.norm'"]),
+    "trainable_tokens_other": ("r4_attn", {"trainable_token_indices": {"q_proj": [1]}}, None, None, 16,
+                               UnsupportedAdapter, ["trainable_token_indices for 'q_proj' are not supported"]),
+    "trainable_tokens_missing": ("r4_attn", {"trainable_token_indices": [3, 5]}, None, None, 16, InvalidAdapter,
+                                 ["no embed_tokens.token_adapter.trainable_tokens_delta"]),
     "not_lora": ("r4_attn", {"peft_type": "IA3"}, None, None, 16, UnsupportedAdapter, ["peft_type 'IA3'"]),
-    "lm_head": ("r4_attn", None, _renamed("model.layers.0.self_attn.q_proj", "lm_head"), None, 16,
-                InvalidAdapter, ["module 'lm_head'", "does not have or loraplex does not adapt"]),
-    "embedding": ("r4_attn", None, _with("base_model.model.model.embed_tokens.lora_embedding_A",
-                                         torch.zeros(4, 256)), None, 16, InvalidAdapter, ["embedding"]),
+    "lm_head_untargeted": ("r4_attn", None, _renamed("model.layers.0.self_attn.q_proj", "lm_head"), None, 16,
+                           InvalidAdapter, ["LoRA tensors for 'lm_head'", "does not select"]),
+    "unknown_module": ("r4_attn", None, _renamed("self_attn.q_proj", "self_attn.rotary"), None, 16, InvalidAdapter,
+                       ["'model.layers.0.self_attn.rotary'", "does not have or loraplex does not adapt",
+                        "embed_tokens, lm_head"]),
+    "embedding_shape": ("r4_attn", {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "embed_tokens"]},
+                        lambda t: dict(t, **{f"{EMBED_LORA}A": torch.zeros(4, 256),
+                                             f"{EMBED_LORA}B": torch.zeros(64, 4)}), None, 16,
+                        AdapterShapeMismatch, ["lora_embedding_A: 256 vocabulary rows", "fewer than the base"]),
+    "embedding_half": ("r4_attn", {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "embed_tokens"]},
+                       _with("base_model.model.model.embed_tokens.lora_embedding_A", torch.zeros(4, 49152)), None,
+                       16, InvalidAdapter, ["embed_tokens has lora_A but no lora_B"]),
+    "added_tokens_without_head_rows": ("r4_attn", {"modules_to_save": ["embed_tokens"]},
+                                       _with("base_model.model.model.embed_tokens.weight", torch.zeros(49154, 64)),
+                                       None, 16, InvalidAdapter,
+                                       ["vocabulary has 49154 tokens", "no lm_head rows for token ids [49152, 49153]"]),
     "layer_out_of_range": ("r4_attn", None, _renamed("layers.1.", "layers.7."), None, 16, InvalidAdapter,
                            ["layer 7 is out of range", "2 layers"]),
     "untargeted_module": ("r4_attn", {"target_modules": ["q_proj", "k_proj", "v_proj"]}, None, None, 16,
@@ -180,6 +210,9 @@ BAD = {
 
 
 class _NullWriter:
+    def prepare(self, weights: AdapterWeights) -> AdapterWeights:
+        return weights
+
     def set_slot(self, slot: int, weights: AdapterWeights) -> None:
         pass
 

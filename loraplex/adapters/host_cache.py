@@ -1,5 +1,7 @@
 """The host-memory tier: an LRU of validated adapter weights, bounded by ``max_cpu_loras``.
 
+Entries put with ``keep=True`` (adapters with saved vocabulary rows, bounded by their own memory budget
+instead) are never evicted and do not count against the capacity; ``pop`` removes them.
 Not thread-safe on its own: ``AdapterManager`` calls it under its lock.
 """
 
@@ -7,7 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from loraplex.adapters.peft_format import AdapterWeights
+from loraplex.adapters.weights import AdapterWeights
 
 
 class HostCache:
@@ -18,6 +20,7 @@ class HostCache:
             raise ValueError(f"HostCache capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self._entries: OrderedDict[int, AdapterWeights] = OrderedDict()
+        self._kept: set[int] = set()
 
     def get(self, adapter_id: int) -> AdapterWeights | None:
         """The weights (marked most recently used), or None."""
@@ -26,19 +29,28 @@ class HostCache:
             self._entries.move_to_end(adapter_id)
         return weights
 
-    def put(self, adapter_id: int, weights: AdapterWeights) -> list[int]:
+    def put(self, adapter_id: int, weights: AdapterWeights, keep: bool = False) -> list[int]:
         """Insert (or refresh) as most recently used; return the ids evicted to stay within capacity."""
         self._entries[adapter_id] = weights
         self._entries.move_to_end(adapter_id)
+        if keep:
+            self._kept.add(adapter_id)
         evicted = []
-        while len(self._entries) > self.capacity:
-            old_id, _ = self._entries.popitem(last=False)
+        lru = (i for i in list(self._entries) if i not in self._kept)
+        while self.evictable() > self.capacity:
+            old_id = next(lru)
+            del self._entries[old_id]
             evicted.append(old_id)
         return evicted
 
     def pop(self, adapter_id: int) -> AdapterWeights | None:
         """Remove and return the weights, or None if absent."""
+        self._kept.discard(adapter_id)
         return self._entries.pop(adapter_id, None)
+
+    def evictable(self) -> int:
+        """Entries that count against ``capacity`` (all but the kept ones)."""
+        return len(self._entries) - len(self._kept)
 
     def contains(self, adapter_id: int) -> bool:
         """Presence test that does not touch the LRU order."""

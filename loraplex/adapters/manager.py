@@ -12,6 +12,9 @@ device slots (``max_loras``, written through ``writer``).
   ``AdapterContentChanged``). ``try_acquire`` does both atomically.
 - Per step, ``lora_batch(mapping)`` derives slot indices, memoised on (mapping, slot-table version);
   every id in the mapping must be pinned.
+- ``load`` folds the version against the base weights once (``writer.prepare``: DoRA scales), reads
+  its own tokenizer if it ships one, and reserves its saved vocabulary rows in ``SavedRowsBudget``
+  (those versions stay in host memory while loaded); ``AdapterMemoryBudgetExceeded`` past the budget.
 - One re-entrant lock guards all state; adapter files are never read while it is held.
 """
 
@@ -20,14 +23,18 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from loraplex.adapters.budget import SavedRowsBudget
 from loraplex.adapters.host_cache import HostCache
-from loraplex.adapters.peft_format import AdapterWeights, read_peft_adapter
+from loraplex.adapters.info import AdapterCounters, AdapterInfo
+from loraplex.adapters.peft_format import read_peft_adapter
 from loraplex.adapters.slots import SlotTable, SlotWriter
 from loraplex.adapters.snapshot import tier_snapshot
+from loraplex.adapters.tokenizer import read_adapter_tokenizer
+from loraplex.adapters.weights import AdapterWeights
 from loraplex.config import ModelConfig
 from loraplex.errors import AdapterAlreadyLoaded, AdapterContentChanged, AdapterError, UnknownAdapter
 from loraplex.ops.lora_batch import BatchMapping, LoRABatch, build_lora_batch
@@ -35,32 +42,15 @@ from loraplex.ops.lora_batch import BatchMapping, LoRABatch, build_lora_batch
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class AdapterInfo:
-    name: str
-    path: str
-    adapter_id: int  # the version: fresh for every load
-    content_hash: str
-    max_rank: int
-
-
-@dataclass
-class AdapterCounters:
-    loads: int = 0  # successful load() calls
-    device_evictions: int = 0  # a slot's adapter overwritten by another one
-    host_evictions: int = 0  # weights dropped from host memory by the LRU bound
-    device_hits: int = 0  # acquire found the adapter already in a slot
-    host_hits: int = 0  # acquire wrote a slot from weights in host memory
-    disk_reads: int = 0  # background re-reads of adapters no longer in host memory
-
-
 class AdapterManager:
     def __init__(self, model_config: ModelConfig, max_loras: int, max_cpu_loras: int, max_lora_rank: int,
-                 writer: SlotWriter, allow_pickle: bool = False) -> None:
+                 writer: SlotWriter, allow_pickle: bool = False, saved_rows_budget: int | None = None,
+                 base_tokenizer: Any = None) -> None:
         self.model_config, self.max_lora_rank, self.allow_pickle = model_config, max_lora_rank, allow_pickle
-        self.writer = writer
+        self.writer, self.base_tokenizer = writer, base_tokenizer
         self.slot_table = SlotTable(max_loras)
         self.host = HostCache(max_cpu_loras)
+        self.budget = SavedRowsBudget(saved_rows_budget)
         self._counters = AdapterCounters()
         self._lock = threading.RLock()
         self._names: dict[str, AdapterInfo] = {}  # live versions
@@ -76,10 +66,14 @@ class AdapterManager:
     def load(self, name: str, path: str | Path) -> AdapterInfo:
         """Read and validate ``path`` in the caller's thread, then register it as a new version."""
         self._check_name_free(name, path)
-        weights = read_peft_adapter(path, self.model_config, self.max_lora_rank, self.allow_pickle)
+        weights = self._read(path)
+        vocab_size = weights.vocab_size or self.model_config.vocab_size
+        tokenizer = read_adapter_tokenizer(path, self.base_tokenizer, vocab_size)
         with self._lock:
             self._check_name_free(name, path)
-            info = AdapterInfo(name, weights.path, self._next_id, weights.content_hash, weights.max_rank)
+            info = AdapterInfo(name, weights.path, self._next_id, weights.content_hash, weights.max_rank,
+                               weights.vocab_size, weights.saved_bytes, weights.uses_dora, tokenizer)
+            self.budget.reserve(info.adapter_id, info.saved_bytes, f"{path}: adapter {name!r}")
             self._next_id += 1
             self._names[name] = info
             self._infos[info.adapter_id] = info
@@ -238,7 +232,7 @@ class AdapterManager:
                 if info and not self._is_live(adapter_id) and self.slot_table.pins(adapter_id) == 0:
                     raise AssertionError(f"slot {slot} keeps unloaded, unpinned adapter {adapter_id}")
             live = {i.adapter_id for i in self._names.values()}
-            if not set(self.host.ids()) <= live or len(self.host) > self.host.capacity:
+            if not set(self.host.ids()) <= live or self.host.evictable() > self.host.capacity:
                 raise AssertionError(f"host tier {self.host.ids()} holds ids outside {live} or is over capacity")
             if self._memo is not None and self._memo[1] > version:
                 raise AssertionError("memoised indices are newer than the slot table")
@@ -258,12 +252,18 @@ class AdapterManager:
         info = self._infos.get(adapter_id)
         return info is not None and self._names.get(info.name) is info
 
+    def _read(self, path: str | Path) -> AdapterWeights:
+        """Read, validate and fold one version (in the caller's thread)."""
+        return self.writer.prepare(read_peft_adapter(path, self.model_config, self.max_lora_rank, self.allow_pickle))
+
     def _put_host(self, adapter_id: int, weights: AdapterWeights) -> None:
-        self._counters.host_evictions += len(self.host.put(adapter_id, weights))
+        keep = self.budget.holds(adapter_id)  # saved rows stay resident while loaded
+        self._counters.host_evictions += len(self.host.put(adapter_id, weights, keep=keep))
 
     def _drop(self, adapter_id: int) -> None:
         """Forget an unloaded version whose pins reached zero; its slot (if any) is cleared."""
         del self._infos[adapter_id]
+        self.budget.release(adapter_id)
         slot = self.slot_table.slot_of.get(adapter_id)
         if slot is not None:
             self.slot_table.clear(slot)
@@ -279,7 +279,7 @@ class AdapterManager:
         error: AdapterError | None = None
         who = f"{info.path}: adapter {info.name!r} (id {info.adapter_id})"
         try:
-            weights = read_peft_adapter(info.path, self.model_config, self.max_lora_rank, self.allow_pickle)
+            weights = self._read(info.path)
             if weights.content_hash != info.content_hash:
                 error = AdapterContentChanged(f"{who} changed on disk since it was loaded; load it again")
         except Exception as e:  # any failure must reach the waiting requests, not die in this thread

@@ -23,11 +23,14 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
-from loraplex.adapters.peft_format import AdapterWeights
+from loraplex.adapters.weights import AdapterWeights
 
 
 class SlotWriter(Protocol):
-    """What the model implements: copy one adapter into a device slot, or zero a slot."""
+    """What the model implements: fold a version against the base once (at load, off the step loop),
+    copy one adapter into a device slot, or empty a slot."""
+
+    def prepare(self, weights: AdapterWeights) -> AdapterWeights: ...
 
     def set_slot(self, slot: int, weights: AdapterWeights) -> None: ...
 

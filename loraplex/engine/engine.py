@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from loraplex.adapters.manager import AdapterInfo, AdapterManager
+from loraplex.adapters.info import AdapterInfo
+from loraplex.adapters.manager import AdapterManager
 from loraplex.config import EngineConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.kv_cache import BlockAllocator, KVCache
@@ -51,6 +52,8 @@ class EngineStats:
     device_hits: int
     host_hits: int
     num_preemptions: int
+    saved_rows_bytes: int = 0  # adapters' saved vocabulary rows held now
+    saved_rows_budget_bytes: int = 0
 
 
 def _pick_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -86,7 +89,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
         self.adapters = AdapterManager(self.model_config, config.max_loras, config.max_cpu_loras,
                                        config.max_lora_rank, writer=self.model,
-                                       allow_pickle=config.allow_pickle_adapters)
+                                       allow_pickle=config.allow_pickle_adapters,
+                                       saved_rows_budget=config.saved_rows_budget_bytes, base_tokenizer=self.tokenizer)
         self.max_model_len = min(self.model_config.max_position_embeddings, num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.allocator, self.adapters, self.model_config.eos_token_ids,
                                    self.max_model_len)
@@ -99,6 +103,8 @@ class Engine:
                     self.model_config.architecture, self.dtype, self.device, self.model_config.num_layers,
                     config.max_loras, config.max_cpu_loras, config.max_lora_rank, self.lora_kernels, num_blocks,
                     config.block_size, num_blocks * block_bytes / 2**20)
+        row_bytes = self.model_config.hidden_size * self.model.embed_tokens.weight.element_size()
+        logger.info("%s", self.adapters.budget.describe(row_bytes * self.model_config.vocab_size, row_bytes))
 
     # ---- adapters (any thread) ----
     def load_adapter(self, name: str, path: str | Path) -> AdapterInfo:
@@ -116,32 +122,48 @@ class Engine:
         host tier, the registry, and the load / eviction / hit counters."""
         return self.adapters.snapshot()
 
+    def tokenizer_for(self, adapter: str | None) -> PreTrainedTokenizerBase | None:
+        """The tokenizer (and chat template) of ``adapter``'s live version: its own if it ships one, else
+        the base model's. ``UnknownAdapter`` if no such adapter is loaded."""
+        return self._version(self.adapters.resolve(adapter) if adapter is not None else None)[0]
+
+    def _version(self, adapter_id: int | None) -> tuple[PreTrainedTokenizerBase | None, int]:
+        """(tokenizer, vocabulary size) that a request for ``adapter_id`` (None: the base) uses."""
+        info = self.adapters.info(adapter_id) if adapter_id is not None else None
+        tokenizer = info.tokenizer if info is not None and info.tokenizer is not None else self.tokenizer
+        return tokenizer, (info.vocab_size if info is not None and info.vocab_size else self.model_config.vocab_size)
+
     # ---- requests (any thread) ----
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int], adapter: str | None = None) -> list[int]:
+        """Token ids of ``prompt`` as ``adapter``'s requests see them (its tokenizer and vocabulary)."""
+        return self._tokenize(prompt, *self._version(self.adapters.resolve(adapter) if adapter else None))
+
+    def _tokenize(self, prompt: str | list[int], tokenizer: PreTrainedTokenizerBase | None,
+                  vocab_size: int) -> list[int]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
+            if tokenizer is None:
                 raise RequestError(f"model {self.model_name} has no tokenizer: pass token ids", "prompt")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        if not prompt or any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in prompt):
-            raise RequestError(f"prompt token ids must be a non-empty list of ints in [0, "
-                               f"{self.model_config.vocab_size})", "prompt")
+            return tokenizer.encode(prompt, add_special_tokens=False)
+        if not prompt or any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt):
+            raise RequestError(f"prompt token ids must be a non-empty list of ints in [0, {vocab_size})", "prompt")
         return list(prompt)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     adapter: str | None = None) -> str:
         """Validate and queue a request; raises before anything is queued. Returns its id."""
         params.validate()
-        token_ids = self.tokenize(prompt)
+        adapter_id = self.adapters.resolve(adapter) if adapter is not None else None
+        tokenizer, vocab_size = self._version(adapter_id)  # the version's own tokenizer, if it ships one
+        token_ids = self._tokenize(prompt, tokenizer, vocab_size)
         if not token_ids:
             raise RequestError("prompt is empty", "prompt")
         if len(token_ids) + params.max_tokens > self.max_model_len:
             param = "prompt" if len(token_ids) >= self.max_model_len else "max_tokens"
             raise RequestError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                f"maximum context length of {self.max_model_len} tokens", param)
-        adapter_id = self.adapters.resolve(adapter) if adapter is not None else None
         generator = self._generator if params.seed is None else torch.Generator().manual_seed(params.seed)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        detokenizer = IncrementalDetokenizer(tokenizer, params.stop)
         self._inbox.put(Request(request_id, token_ids, params, adapter, adapter_id, generator, detokenizer))
         return request_id
 
@@ -158,7 +180,8 @@ class Engine:
             slots_in_use=c["slots_in_use"], max_loras=self.config.max_loras,
             kv_blocks_free=self.allocator.num_free, kv_blocks_total=self.allocator.num_total,
             loads=c["loads"], device_evictions=c["device_evictions"], host_evictions=c["host_evictions"],
-            device_hits=c["device_hits"], host_hits=c["host_hits"], num_preemptions=self.scheduler.num_preemptions)
+            device_hits=c["device_hits"], host_hits=c["host_hits"], num_preemptions=self.scheduler.num_preemptions,
+            saved_rows_bytes=self.adapters.budget.used, saved_rows_budget_bytes=self.config.saved_rows_budget_bytes)
 
     # ---- the step loop (one thread) ----
     def step(self) -> list[RequestOutput]:

@@ -13,6 +13,12 @@ deltas. A projection the adapter does not target contributes rank 0.
 The LoRA delta runs on torch ops (``loraplex.ops.lora``) or, once ``use_lora_kernels(model, "triton",
 ...)`` gave the layers shared ``LoRAStepBuffers``, on the Triton kernels (``loraplex.ops.lora_triton``),
 which read the slot ranks and blocks from device tensors kept in step with every slot write.
+
+DoRA: a slot may carry a per-output-feature scale ``g`` folded once per adapter version
+(``g = m / ||W + B A||``); its rows then get ``y = (x W^T + x A^T B^T) * g + b``, stored as
+``dora_scale[s + 1]`` (row 0 is the base model's: all ones) and, with a bias, ``dora_offset[s + 1] =
+b * (1 - g)`` (-0.0 where g == 1). Rows of other slots multiply by exactly 1.0 and add exactly -0.0, so
+they stay bit for bit what they were.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from torch import nn
 from loraplex.ops.dense import dense_linear, pack_weight, unpack_weight
 from loraplex.ops.int8 import Int8Weight
 from loraplex.ops.lora import Blocks, LoRACache, add_lora
-from loraplex.ops.lora_batch import LoRABatch
+from loraplex.ops.lora_batch import SEGMENTS, LoRABatch
 from loraplex.ops.lora_step_buffers import LoRAStepBuffers
 
 
@@ -75,6 +81,11 @@ class LoRALinear(nn.Module):
                                                             device=device), persistent=False)  # [max_loras, P, 4]
         self.step_buffers: LoRAStepBuffers | None = None  # set: the Triton kernels compute the delta
         self.lora_cache = LoRACache()  # weight views and per-batch plan; cleared on every slot write
+        self.register_buffer("dora_scale", torch.ones(max_loras + 1, total_out, dtype=dtype, device=device),
+                             persistent=False)  # [max_loras + 1, sum(out)], row s + 1 = slot s
+        self.register_buffer("dora_offset", torch.full((max_loras + 1, total_out), -0.0, dtype=dtype, device=device)
+                             if bias else None, persistent=False)  # [max_loras + 1, sum(out)]
+        self.dora_slots: set[int] = set()  # slots whose adapter is DoRA in this layer
         # oneDNN-packed copy of ``weight`` once ``pack_dense()`` ran, or its int8 form once ``quantize_int8()``
         # ran; ``weight`` is then None
         self.packed_weight: torch.Tensor | None = None
@@ -101,8 +112,10 @@ class LoRALinear(nn.Module):
             return self.int8_weight.dense(self.lora_a.dtype)
         return unpack_weight(self.packed_weight) if self.weight is None else self.weight
 
-    def set_slot(self, slot: int, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write one adapter into ``slot``. ``pairs[name] = (A [r, in], B [out, r])``, B scale-folded.
+    def set_slot(self, slot: int, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+                 dora_scales: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Write one adapter into ``slot``. ``pairs[name] = (A [r, in], B [out, r])``, B scale-folded;
+        ``dora_scales[name] = g [out]`` for DoRA projections.
 
         A slot's nonzero entries are always A's rows ``[0, R_s)`` and B's blocks ``slot_blocks[s]``, so
         only the previous adapter's entries that this one does not overwrite are zeroed: a write touches
@@ -128,6 +141,26 @@ class LoRALinear(nn.Module):
         self.slot_blocks[slot] = tuple(blocks)
         self.slot_ranks_dev[slot] = rank_offset
         self.slot_blocks_dev[slot] = torch.tensor(blocks, dtype=torch.int32)
+        self._set_dora(slot, dora_scales or {})
+
+    def _set_dora(self, slot: int, dora_scales: Mapping[str, torch.Tensor]) -> None:
+        """Slot ``slot``'s DoRA rows: g where given, 1 elsewhere (and an empty ``dora_scales``: not DoRA)."""
+        was_dora = slot in self.dora_slots
+        self.dora_slots.discard(slot)
+        if not dora_scales:
+            if was_dora:
+                self.dora_scale[slot + 1].fill_(1.0)
+                if self.dora_offset is not None:
+                    self.dora_offset[slot + 1].fill_(-0.0)
+            return
+        scale = self.dora_scale[slot + 1]  # [sum(out)]
+        scale.fill_(1.0)
+        for i, name in enumerate(self.names):
+            if name in dora_scales:
+                scale[self.out_offsets[i] : self.out_offsets[i + 1]].copy_(dora_scales[name])
+        if self.dora_offset is not None:
+            self.dora_offset[slot + 1] = torch.where(scale == 1.0, -0.0, self.bias * (1.0 - scale))
+        self.dora_slots.add(slot)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_cache.clear()
@@ -137,6 +170,10 @@ class LoRALinear(nn.Module):
         self.slot_blocks[slot] = ()
         self.slot_ranks_dev[slot] = 0
         self.slot_blocks_dev[slot] = 0
+        self.dora_scale[slot + 1].fill_(1.0)
+        if self.dora_offset is not None:
+            self.dora_offset[slot + 1].fill_(-0.0)
+        self.dora_slots.discard(slot)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         # x: [T, in] -> [T, sum(out)]
@@ -155,7 +192,24 @@ class LoRALinear(nn.Module):
             self.step_buffers.prepare(lora)  # refilled once per step (the first layer); version checked
             add_lora_triton(y, x, self.lora_a, self.lora_b, self.slot_ranks_dev, self.slot_blocks_dev,
                             self.step_buffers, block_width=max(self.out_features))
+        if self.dora_slots and not self.dora_slots.isdisjoint(lora.group_slots):
+            self._rescale_dora_rows(y, lora)
         return y
+
+    def _rescale_dora_rows(self, y: torch.Tensor, lora: LoRABatch) -> None:
+        """``y[t] = y[t] * dora_scale[slot_t + 1] (+ dora_offset[slot_t + 1])``, in place. Runs of one slot
+        (prefill) scale their rows alone; otherwise one gather of per-token scales covers every row."""
+        if lora.method == SEGMENTS:
+            for start, end, slot in lora.runs:
+                if slot in self.dora_slots:
+                    y[start:end].mul_(self.dora_scale[slot + 1])
+                    if self.dora_offset is not None:
+                        y[start:end].add_(self.dora_offset[slot + 1])
+            return
+        rows = lora.slot_rows  # [T]
+        y.mul_(self.dora_scale.index_select(0, rows))
+        if self.dora_offset is not None:
+            y.add_(self.dora_offset.index_select(0, rows))
 
     def _apply(self, fn, recurse: bool = True):  # .to(), .float(), ...: the buffers are replaced
         self.lora_cache.clear()

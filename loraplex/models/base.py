@@ -16,6 +16,10 @@ from ``CausalLM`` and declares itself:
 
 Module names follow HF's (``embed_tokens``, ``layers.N.self_attn``, ``layers.N.mlp``, ``norm``,
 ``lm_head``) so the loader maps checkpoint tensors by name.
+
+The embedding and the logits belong to this class for every family: ``embed(input_ids, lora)`` and
+``logits(hidden, logits_rows, lora)`` apply each slot's ``embed_tokens`` / ``lm_head`` adapter parts
+(LoRA, DoRA, replaced or added vocabulary rows), so a family never handles them.
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ from torch import nn
 
 from loraplex.config import ModelConfig
 from loraplex.layers.attention import AttentionMetadata
+from loraplex.layers.embedding import VocabEmbedding
+from loraplex.layers.lm_head import LMHeadSlots
 from loraplex.layers.lora_linear import LoRALinear
 from loraplex.layers.norms import RMSNorm
 from loraplex.layers.rotary import RotaryEmbedding
+from loraplex.models.fold import prepare_adapter
 from loraplex.models.slot_writer import AdapterModules, write_adapter_slot
 from loraplex.ops.dense import dense_linear, pack_weight
 from loraplex.ops.int8 import Int8Weight
@@ -53,8 +60,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.dtype, self.device = dtype, device
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, max_loras, dtype, device)
         # HF Gemma keeps the scale as a tensor of the weights' dtype: same rounding here
         self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device=device)
                              if self.scale_embeddings else None, persistent=False)
@@ -69,6 +75,7 @@ class CausalLM(nn.Module):
         # plain one stays (tied: the embedding reads it)
         self.lm_head_packed: torch.Tensor | None = None
         self.lm_head_int8: Int8Weight | None = None
+        self.lm_head_slots = LMHeadSlots(max_loras)  # per-slot lm_head adapter parts
 
     def make_layer(self, index: int) -> nn.Module:
         """Decoder block ``index``; it must provide ``adapted() -> tuple[LoRALinear, ...]``."""
@@ -78,9 +85,10 @@ class CausalLM(nn.Module):
         """An RMSNorm of this family's kind over ``size`` features (the hidden size, or head_dim for q/k)."""
         return RMSNorm(size, self.config.rms_norm_eps, self.dtype, self.device, self.norm_offset)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``input_ids [T]`` -> ``[T, hidden]``."""
-        hidden = self.embed_tokens(input_ids)
+    def embed(self, input_ids: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        """``input_ids [T]`` -> ``[T, hidden]``, each slot's embed_tokens part included (before the scale,
+        as PEFT scales LoRA contributions with the embedding)."""
+        hidden = self.embed_tokens(input_ids, lora)
         return hidden if self.embed_scale is None else hidden * self.embed_scale
 
     def rope_tables(self, positions: torch.Tensor, seq_lens: torch.Tensor, dtype: torch.dtype) -> Any:
@@ -123,43 +131,58 @@ class CausalLM(nn.Module):
                 self.lm_head = None  # the int8 form replaces it
 
     @property
+    def served_vocab_size(self) -> int:
+        """The largest token id + 1 any slot serves (adapters that add tokens widen the base vocabulary)."""
+        return max([self.config.vocab_size, *(s.vocab_size for s in self.embed_tokens.slots if s is not None)])
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
         """``[vocab, hidden]``: the embedding when tied, a dequantized copy when int8."""
         if self.lm_head_int8 is not None:
             return self.lm_head_int8.dense(self.dtype)
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def logits(self, hidden: torch.Tensor, logits_rows: torch.Tensor) -> torch.Tensor:
-        """Final norm and lm_head of rows ``logits_rows [S]`` of ``hidden [T, hidden]`` -> float32 ``[S, vocab]``."""
+    def logits(self, hidden: torch.Tensor, logits_rows: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        """Final norm and lm_head (with each slot's lm_head adapter parts) of rows ``logits_rows [S]`` of
+        ``hidden [T, hidden]`` -> float32 ``[S, vocab]`` (wider when a row's adapter adds tokens)."""
         last = self.norm(hidden.index_select(0, logits_rows))  # [S, hidden]
         if self.lm_head_int8 is not None:
-            return self.lm_head_int8.linear(last).float()
-        return dense_linear(last, self.lm_head_weight, self.lm_head_packed).float()
+            base = self.lm_head_int8.linear(last)  # [S, V]
+        else:
+            base = dense_linear(last, self.lm_head_weight, self.lm_head_packed)  # [S, V]
+        return self.lm_head_slots.apply(base, last, logits_rows, lora).float()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: Sequence[torch.Tensor], lora: LoRABatch | None,
                 logits_rows: torch.Tensor) -> torch.Tensor:
-        """Run a flat ragged batch; return float32 logits ``[S, vocab]`` of the rows ``logits_rows [S]``.
+        """Run a flat ragged batch; return float32 logits ``[S, vocab']`` of the rows ``logits_rows [S]``.
 
         ``input_ids [T]`` and ``positions [T]`` (int64) list every entry's tokens back to back; block i
         writes its new K/V into ``kv_caches[i]`` at ``attn.write_rows``; ``lora`` (token order = flat
         order) is passed to every adapted projection.
         """
-        hidden = self.embed(input_ids)  # [T, hidden]
+        hidden = self.embed(input_ids, lora)  # [T, hidden]
         rope = self.rope_tables(positions, attn.seq_lens, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, rope, attn, kv_cache, lora)
-        return self.logits(hidden, logits_rows)
+        return self.logits(hidden, logits_rows, lora)
+
+    def prepare(self, weights: AdapterModules) -> AdapterModules:
+        """Fold what is constant per adapter version against the base weights (DoRA scales, vocabulary
+        rows that equal the base's dropped), once, off the step loop; ``set_slot`` then only copies."""
+        return prepare_adapter(self, weights)
 
     def set_slot(self, slot: int, weights: AdapterModules) -> None:
-        """Write an adapter (``.modules[(layer, proj)] = (A, B)``) into ``slot`` of every adapted layer;
-        validates everything before writing anything."""
+        """Write an adapter (``.modules[(layer, proj)] = (A, B)``, DoRA scales, ``embed_tokens`` / ``lm_head``
+        parts) into ``slot`` of every adapted layer; validates everything before writing anything."""
         write_adapter_slot(self, slot, weights)
 
     def clear_slot(self, slot: int) -> None:
-        """Zero ``slot`` in every adapted layer (its tokens would then get a zero delta)."""
+        """Empty ``slot`` in every adapted layer (its tokens would then get exactly the base model)."""
         if not 0 <= slot < self.max_loras:
             raise IndexError(f"slot {slot} out of range [0, {self.max_loras})")
         for linears in self.adapted_layers():
             for linear in linears:
                 linear.clear_slot(slot)
+        self.embed_tokens.clear_slot(slot)
+        self.lm_head_slots.clear_slot(slot)

@@ -107,6 +107,12 @@ class LoRABatch:
         return tuple((bounds[i], bounds[i + 1], s) for i, s in enumerate(run_slots) if s >= 0)
 
     @cached_property
+    def slot_rows(self) -> torch.Tensor:
+        """``token_slots + 1`` ``[T]``: each token's row in a per-slot table whose row 0 belongs to the
+        base model (so no table is ever indexed with -1)."""
+        return self.token_slots + 1
+
+    @cached_property
     def slots_tensor(self) -> torch.Tensor:
         """``group_slots`` as an int64 tensor ``[G]``, to gather the groups' slot weights."""
         return torch.tensor(self.group_slots, dtype=torch.int64, device=self.token_slots.device)

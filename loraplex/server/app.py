@@ -129,13 +129,14 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        prompt_ids = body.prompt_ids(core.tokenizer)
+        adapter = adapter_for(body.model)
+        prompt_ids = body.prompt_ids(core.tokenizer_for(adapter))  # the adapter's own template, if it ships one
         room = max(core.max_model_len - len(prompt_ids), 1)  # default max_tokens: the rest of the context
         gen = Generation(
             builder=ResponseBuilder(chat=True, model=body.model),
             prompt=prompt_ids,
             params=body.sampling_params(room),
-            adapter=adapter_for(body.model),
+            adapter=adapter,
             stream=bool(body.stream),
             include_usage=body.include_usage,
             prompt_param="messages",

@@ -1,0 +1,36 @@
+"""What the manager tells the rest of the engine about a registered adapter version (``AdapterInfo``), and
+its counters (``AdapterCounters``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """One registered adapter version. Requests resolve a name to ``adapter_id`` once, at admission; a
+    reload makes a new id. ``tokenizer`` (when the adapter ships its own) encodes and decodes that
+    version's requests and renders their chat template; ``vocab_size`` bounds their token ids."""
+
+    name: str
+    path: str
+    adapter_id: int  # the version: fresh for every load
+    content_hash: str
+    max_rank: int
+    vocab_size: int | None = None  # the adapter's vocabulary when it adds tokens, else None (the base's)
+    saved_bytes: int = 0  # saved vocabulary rows, counted in the budget
+    uses_dora: bool = False
+    tokenizer: Any = field(default=None, compare=False, repr=False)  # its own, or None: the base model's
+
+
+@dataclass
+class AdapterCounters:
+    """Cumulative counts since start, exported as metrics."""
+
+    loads: int = 0  # successful load() calls
+    device_evictions: int = 0  # a slot's adapter overwritten by another one
+    host_evictions: int = 0  # weights dropped from host memory by the LRU bound
+    device_hits: int = 0  # acquire found the adapter already in a slot
+    host_hits: int = 0  # acquire wrote a slot from weights in host memory
+    disk_reads: int = 0  # background re-reads of adapters no longer in host memory

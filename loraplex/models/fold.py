@@ -1,0 +1,89 @@
+"""Fold what is constant per adapter version against the base weights, once, when it is loaded.
+
+- DoRA: ``g = m / ||W + B A||`` per output feature, exactly PEFT's ``get_weight_norm`` (W the base
+  weight, B carrying the LoRA scale), so a decode step only multiplies each DoRA row by g. For
+  ``embed_tokens`` the norm runs over the vocabulary (one g per hidden feature), as PEFT's
+  ``DoraEmbeddingLayer`` computes it; W there is the adapter's vocabulary matrix (replaced/added rows).
+- Vocabulary rows (saved matrices, trainable tokens, a saved base layer) that equal the base rows are
+  dropped: only the rows an adapter really changes or adds are kept (and counted in the budget).
+Runs in the caller's thread (``AdapterManager.load`` / its background re-read), never in a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from loraplex.errors import InvalidAdapter
+
+
+def dora_scale(weight: torch.Tensor, delta: torch.Tensor, magnitude: torch.Tensor, dim: int,
+               what: str) -> torch.Tensor:
+    """``m / ||W + delta||`` along ``dim``: 1 for a Linear (W, delta = B A ``[out, in]``, one g per row),
+    0 for an embedding (W, delta = A^T B^T ``[V, hidden]``, one g per hidden feature)."""
+    norm = torch.linalg.norm(weight.float() + delta, dim=dim)
+    if not bool((norm > 0).all()) or not bool(torch.isfinite(norm).all()):
+        raise InvalidAdapter(f"{what}: DoRA norm ||W + BA|| is zero or not finite for some feature")
+    return magnitude / norm
+
+
+def prepare_adapter(model, weights: Any) -> Any:
+    """``weights`` with ``dora_scales`` filled and every vocabulary module folded; see the module docstring."""
+    source = getattr(weights, "path", "adapter")
+    scales = {}
+    dense: dict[int, torch.Tensor] = {}  # one plain copy per packed layer (the base may be oneDNN-packed)
+    adapted = model.adapted_layers()
+    for (layer_idx, proj), magnitude in weights.magnitudes.items():
+        linear = next(lin for lin in adapted[layer_idx] if proj in lin.names)
+        i = linear.names.index(proj)
+        if id(linear) not in dense:
+            dense[id(linear)] = linear.dense_weight()
+        w = dense[id(linear)][linear.out_offsets[i] : linear.out_offsets[i + 1]]  # [out_p, in]
+        a, b = weights.modules[(layer_idx, proj)]
+        scales[(layer_idx, proj)] = dora_scale(w, b @ a, magnitude, 1, f"{source}: layer {layer_idx} {proj}")
+    base = {"embed_tokens": model.embed_tokens.weight, "lm_head": model.lm_head_weight}
+    folded_rows: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+    vocab = {}
+    for name, module in weights.vocab.items():
+        key = (id(module.rows), id(base[name]))  # a tied pair folds once and stays shared
+        if key not in folded_rows:
+            folded_rows[key] = _changed_rows(module.row_ids, module.rows, base[name])
+        row_ids, rows = folded_rows[key]
+        scale = None
+        if module.magnitude is not None:
+            matrix = _served_matrix(base[name], module.vocab_size, row_ids, rows)  # [V_a, hidden]
+            a, b = module.lora
+            delta, dim = (a.t() @ b.t(), 0) if name == "embed_tokens" else (b @ a, 1)  # [V_a, hidden]
+            scale = dora_scale(matrix, delta, module.magnitude, dim, f"{source}: {name}")
+        vocab[name] = replace(module, row_ids=row_ids, rows=rows, dora_scale=scale)
+    return replace(weights, dora_scales=MappingProxyType(scales), vocab=MappingProxyType(vocab))
+
+
+def _changed_rows(row_ids: torch.Tensor | None, rows: torch.Tensor | None,
+                  base: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The rows (and ids) that differ from the base matrix or lie beyond it."""
+    if rows is None:
+        return None, None
+    v = base.shape[0]
+    inside = row_ids < v
+    same = torch.zeros_like(inside)
+    same[inside] = (rows[inside] == base.detach().float().index_select(0, row_ids[inside])).all(dim=1)
+    if bool(same.all()):
+        return None, None
+    if not bool(same.any()):
+        return row_ids, rows
+    keep = ~same
+    return row_ids[keep], rows[keep].contiguous()
+
+
+def _served_matrix(base: torch.Tensor, vocab_size: int, row_ids: torch.Tensor | None,
+                   rows: torch.Tensor | None) -> torch.Tensor:
+    """The adapter's ``[V_a, hidden]`` matrix: the base's rows, replaced and extended by its own."""
+    matrix = torch.empty(vocab_size, base.shape[1])
+    matrix[: base.shape[0]] = base.detach().float()
+    if rows is not None:
+        matrix.index_copy_(0, row_ids, rows)
+    return matrix
