@@ -36,6 +36,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests decoding at once")
     p.add_argument("--kv-cache-blocks", type=int, default=None,
                    help=f"KV cache size in blocks of {d.block_size} tokens (default: {d.kv_cache_bytes >> 20} MiB)")
+    p.add_argument("--saved-rows-budget-mib", type=int, default=d.saved_rows_budget_bytes >> 20,
+                   help="host memory for adapters' saved embed_tokens/lm_head rows (modules_to_save, trainable "
+                        "tokens, added tokens); a load past it fails (default: %(default)s)")
     p.add_argument("--dtype", default=d.dtype, help="auto (float32 on CPU), float32, bfloat16, float16")
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--quantization", default=None, choices=EngineConfig.QUANTIZATIONS,
@@ -81,7 +84,8 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_loras=args.max_loras,
                             max_cpu_loras=cpu_loras, max_lora_rank=args.max_lora_rank,
                             max_num_seqs=args.max_num_seqs, kv_cache_blocks=args.kv_cache_blocks,
-                            num_threads=args.threads, quantization=args.quantization)
+                            num_threads=args.threads, quantization=args.quantization,
+                            saved_rows_budget_bytes=args.saved_rows_budget_mib << 20)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

@@ -49,8 +49,9 @@ class SavedRowsBudget:
         """One line for the start-up log: the budget, how many whole ``[V, hidden]`` matrices fit, where."""
         if self.capacity is None:
             return "saved vocabulary rows: no budget (unlimited)"
+        fit = self.capacity // max(matrix_bytes, 1)
         return (f"saved vocabulary rows (modules_to_save embed_tokens/lm_head, trainable tokens, added tokens): "
                 f"budget {self.capacity / MIB:.0f} MiB of host memory, held while their adapter version is loaded "
                 f"and referenced (not copied) by its slot; a whole embed_tokens or lm_head is "
-                f"{matrix_bytes / MIB:.1f} MiB, so {self.capacity // max(matrix_bytes, 1)} fit (a token row: "
-                f"{row_bytes} B)")
+                f"{matrix_bytes / MIB:.1f} MiB ({matrix_bytes / 1e6:.1f} MB), so {fit} fit "
+                f"(a token row: {row_bytes} B)")

@@ -37,9 +37,9 @@ _KINDS = (
     (re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B)(?:\.[^.]+)?\.weight$"), None),
     (re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<kind>A|B)(?:\.[^.]+)?$"), "lora_"),
     (re.compile(r"^(?P<module>.+)\.lora_magnitude_vector(?:\.(?!weight$)[^.]+)?(?:\.weight)?$"), "magnitude"),
-    (re.compile(r"^(?P<module>.+)\.base_layer\.weight$"), "base_layer"),
+    (re.compile(r"^(?P<module>.+?)(?:\.token_adapter)?\.(?:base_layer|original_module)\.weight$"), "base_layer"),
     (re.compile(r"^(?P<module>.+)\.token_adapter\.trainable_tokens_delta(?:\.[^.]+)?$"), "trainable"),
-    (re.compile(r"^(?P<module>.+?)(?:\.modules_to_save\.[^.]+)?\.weight$"), "saved"),
+    (re.compile(r"^(?P<module>.+?)(?:\.modules_to_save(?:\.[^.]+)?)?\.weight$"), "saved"),
 )
 _MODULE = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<proj>\w+)$")
 
@@ -93,7 +93,11 @@ def _classify(folder: Path, tensors: Mapping[str, torch.Tensor]) -> tuple[dict, 
         module, kind = _kind(folder, key, name)
         leaf = module.rsplit(".", 1)[-1]
         if leaf in VOCAB_MODULES:
-            vocab.setdefault(leaf, {})[kind] = (name, tensor)
+            kinds = vocab.setdefault(leaf, {})
+            if kind in kinds and not torch.equal(kinds[kind][1], tensor):  # PEFT may save a matrix twice
+                raise InvalidAdapter(f"{folder}: tensors {kinds[kind][0]!r} and {name!r} should hold the same "
+                                     f"{leaf} matrix but differ")
+            kinds[kind] = (name, tensor)
         elif kind in ("lora_A", "lora_B", "magnitude"):
             projections.setdefault(module, {})[kind] = tensor
         else:

@@ -38,7 +38,7 @@ def read_vocab_modules(folder: Path, config: AdapterConfig, parts: Parts, model_
     parts, head_tied = _tie_head(folder, config, parts, tied)
     paths = {m: _lora_path(folder, config, parts, m, head_tied) for m in VOCAB_MODULES}
     vocab = _vocab_size(folder, config, parts, v)
-    _check_listed(folder, config, parts, head_tied)
+    _check_listed(folder, config, parts, head_tied, tied)
     lora = {m: _lora(folder, config, parts, m, paths[m], model_config, vocab, max_lora_rank) for m in VOCAB_MODULES}
     shared = _shared_matrix(folder, parts, tied, vocab, hidden)
     trainable = _trainable_rows(folder, config, parts, tied, vocab, hidden)
@@ -110,7 +110,7 @@ def _tie_head(folder: Path, config: AdapterConfig, parts: Parts, tied: bool) -> 
     return {**parts, HEAD: head}, True
 
 
-def _check_listed(folder: Path, config: AdapterConfig, parts: Parts, head_tied: bool) -> None:
+def _check_listed(folder: Path, config: AdapterConfig, parts: Parts, head_tied: bool, tied: bool) -> None:
     """``modules_to_save`` and ``trainable_token_indices`` must match the tensors present."""
     for module in VOCAB_MODULES:
         kinds = parts.get(module, {})
@@ -121,6 +121,8 @@ def _check_listed(folder: Path, config: AdapterConfig, parts: Parts, head_tied: 
             raise InvalidAdapter(f"{folder}: modules_to_save lists {module} but the adapter has no "
                                  f"{module}.weight tensor")
     listed = dict(config.trainable_tokens)
+    if _tokens_tie_head(config, tied):
+        listed.setdefault(HEAD, listed[EMBED])  # PEFT saves the tied lm_head's rows too (checked equal later)
     for module in VOCAB_MODULES:
         if module in listed and module in config.modules_to_save:
             raise InvalidAdapter(f"{folder}: {module} is both in modules_to_save and in trainable_token_indices")
@@ -195,13 +197,13 @@ def _trainable_rows(folder: Path, config: AdapterConfig, parts: Parts, tied: boo
                     hidden: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """module -> (ids [n] ascending, rows [n, hidden]), following PEFT's tying rule for a tied base."""
     listed = dict(config.trainable_tokens)
-    head_tied = tied and EMBED in listed and (
-        config.ensure_weight_tying or HEAD not in listed or listed[HEAD] == listed[EMBED])
+    head_tied = _tokens_tie_head(config, tied)
     out = {}
     for module, ids in listed.items():
-        if module == HEAD and head_tied:  # PEFT ties it to the embedding's rows instead
-            if "trainable" in parts.get(HEAD, {}):
-                raise InvalidAdapter(f"{folder}: tensor {parts[HEAD]['trainable'][0]!r}: on this tied base "
+        if module == HEAD and head_tied:  # PEFT ties it to the embedding's rows (and may save them twice)
+            own, embed = parts.get(HEAD, {}).get("trainable"), parts.get(EMBED, {}).get("trainable")
+            if own is not None and embed is not None and not torch.equal(own[1], embed[1]):
+                raise InvalidAdapter(f"{folder}: tensor {own[0]!r} should equal {embed[0]!r}: on this tied base "
                                      "PEFT ties lm_head's trainable tokens to embed_tokens' rows")
             continue
         if "trainable" not in parts.get(module, {}):
@@ -213,6 +215,14 @@ def _trainable_rows(folder: Path, config: AdapterConfig, parts: Parts, tied: boo
     if head_tied:
         out[HEAD] = out[EMBED]
     return out
+
+
+def _tokens_tie_head(config: AdapterConfig, tied: bool) -> bool:
+    """PEFT's rule: on a tied base, lm_head serves the embedding's trainable token rows unless the dict form
+    gives lm_head other indices (and ``ensure_weight_tying`` is off)."""
+    listed = dict(config.trainable_tokens)
+    return tied and EMBED in listed and (
+        config.ensure_weight_tying or HEAD not in listed or listed[HEAD] == listed[EMBED])
 
 
 def module_path(tensor_name: str, module: str) -> str:

@@ -117,9 +117,10 @@ def _context_plan(window: int | None, lens: list[int], starts: list[int], cu: li
 
 
 def prepare_step(entries: Sequence[StepEntry], block_size: int, model_config: ModelConfig, dtype: torch.dtype,
-                 device: torch.device) -> StepInputs:
-    """Validate ``entries`` and build the step's flat inputs and attention metadata."""
-    flat = _validate(entries, block_size, model_config.vocab_size)
+                 device: torch.device, vocab_size: int | None = None) -> StepInputs:
+    """Validate ``entries`` (token ids below ``vocab_size``, default the model's) and build the step's flat
+    inputs and attention metadata."""
+    flat = _validate(entries, block_size, vocab_size or model_config.vocab_size)
     lens = [len(e.token_ids) for e in entries]
     starts = [e.start_pos for e in entries]
     cu = list(itertools.accumulate(lens, initial=0))  # [S + 1] row offsets
@@ -175,7 +176,8 @@ class ModelRunner:
     def execute(self, entries: Sequence[StepEntry], lora: LoRABatch | None) -> torch.Tensor:
         """Logits ``[len(entries), vocab]`` float32 of each entry's last token; writes the entries' K/V
         into the cache. ``lora`` (if any) must list the tokens in the same flat order as ``entries``."""
-        step = prepare_step(entries, self.block_size, self.model.config, self.dtype, self.device)
+        step = prepare_step(entries, self.block_size, self.model.config, self.dtype, self.device,
+                            self.model.served_vocab_size)  # adapters may add tokens
         if lora is not None and lora.num_tokens != step.attn.num_tokens:
             raise ValueError(f"LoRA batch has {lora.num_tokens} tokens, the step has {step.attn.num_tokens}")
         if lora is not None:  # memoised on the batch object, so a repeated batch keeps its plan on the device

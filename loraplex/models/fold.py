@@ -67,16 +67,20 @@ def _changed_rows(row_ids: torch.Tensor | None, rows: torch.Tensor | None,
     """The rows (and ids) that differ from the base matrix or lie beyond it."""
     if rows is None:
         return None, None
+    base = base.detach()
     v = base.shape[0]
-    inside = row_ids < v
-    same = torch.zeros_like(inside)
-    same[inside] = (rows[inside] == base.detach().float().index_select(0, row_ids[inside])).all(dim=1)
-    if bool(same.all()):
+    if row_ids.shape[0] >= v and torch.equal(row_ids[:v], torch.arange(v)):  # a whole (maybe resized) matrix
+        changed = torch.ones(row_ids.shape[0], dtype=torch.bool)
+        changed[:v] = (rows[:v] != base).any(dim=1)
+    else:
+        inside = row_ids < v
+        changed = ~inside
+        changed[inside] = (rows[inside] != base.index_select(0, row_ids[inside])).any(dim=1)
+    if not bool(changed.any()):
         return None, None
-    if not bool(same.any()):
+    if bool(changed.all()):
         return row_ids, rows
-    keep = ~same
-    return row_ids[keep], rows[keep].contiguous()
+    return row_ids[changed], rows[changed].contiguous()
 
 
 def _served_matrix(base: torch.Tensor, vocab_size: int, row_ids: torch.Tensor | None,
