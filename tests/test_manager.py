@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,14 +22,16 @@ from loraplex.ops.lora_batch import BatchMapping, LoRABatch
 
 
 class RecordingWriter:
-    """Records what each slot was last given, and every write in order."""
+    """Records what each slot was last given, and every write in order; ``prepare`` folds through
+    ``fold`` (a real model's ``prepare``) when given, else passes plain LoRA through."""
 
-    def __init__(self, max_loras: int) -> None:
+    def __init__(self, max_loras: int, fold: Callable[[AdapterWeights], AdapterWeights] | None = None) -> None:
         self.slots: list[AdapterWeights | None] = [None] * max_loras
         self.log: list[tuple[str, int]] = []
+        self.fold = fold
 
     def prepare(self, weights: AdapterWeights) -> AdapterWeights:
-        return weights  # plain LoRA: nothing to fold
+        return self.fold(weights) if self.fold is not None else weights
 
     def set_slot(self, slot: int, weights: AdapterWeights) -> None:
         self.slots[slot] = weights

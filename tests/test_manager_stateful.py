@@ -1,6 +1,7 @@
 """AdapterManager under random operation sequences, held against a plain reference model of what every
-slot must hold (design.md section 2, invariants 1-3), with ``check_integrity()`` after every step;
-and under concurrent loads from another thread."""
+slot must hold (design.md section 2, invariants 1-3), with ``check_integrity()`` after every step, over
+plain LoRA, DoRA, embed_tokens/lm_head LoRA, saved vocabulary rows and trainable tokens, with a budget for
+saved rows that fits one such adapter; and under concurrent loads from another thread."""
 
 from __future__ import annotations
 
@@ -8,15 +9,38 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from loraplex.adapters.manager import AdapterManager
 from loraplex.config import ModelConfig
-from loraplex.errors import AdapterAlreadyLoaded, UnknownAdapter
+from loraplex.errors import AdapterAlreadyLoaded, AdapterMemoryBudgetExceeded, UnknownAdapter
+from loraplex.models.loader import load_model
+from loraplex.models.registry import model_config as registry_config
 from loraplex.ops.lora_batch import BatchMapping, LoRABatch
+from tests.fixtures import write_peft_adapter, write_tiny_model
+from tests.format_fixtures import FORMATS, write_format_adapter
 from tests.test_manager import RecordingWriter, make_manager
+
+VOCAB, ROW = 512, 64 * 4  # the small base's vocabulary and bytes per float32 row
+# folder -> (DoRA, saved vocabulary bytes) as the fixtures build them
+KINDS = {"plain_a": (False, 0), "plain_b": (False, 0), "dora": (True, 0), "dora_embed_head": (True, 0),
+         "embed_head": (False, 0), "saved": (False, 2 * 40 * ROW), "tokens": (False, 3 * ROW)}
+BUDGET = 2 * 40 * ROW + 4 * ROW  # "saved" fits with "tokens"; a second "saved" does not
+
+
+@pytest.fixture(scope="module")
+def format_folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """A small-vocabulary tiny Llama and one adapter of each kind in ``KINDS``."""
+    root = tmp_path_factory.mktemp("stateful")
+    base = write_tiny_model(root / "base", "llama", vocab_size=VOCAB)
+    folders = {name: write_peft_adapter(base, root / name, rank=4, seed=i) for i, name in enumerate(("plain_a",
+                                                                                                     "plain_b"))}
+    for i, name in enumerate(("dora", "dora_embed_head", "embed_head", "saved", "tokens")):
+        folders[name] = write_format_adapter(base, root / name, seed=10 + i, **dict(FORMATS[name]))
+    return base, {name: str(path) for name, path in folders.items()}
 
 
 class ReferenceSlots:
@@ -55,19 +79,21 @@ class ReferenceSlots:
             self.version += 1
 
 
-def test_manager_against_reference_model(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> None:
-    model_config = ModelConfig.from_hf(tiny_llama)
-    folders = {name: str(path) for name, path in tiny_llama_adapters.items()}
+def test_manager_against_reference_model(format_folders: tuple[Path, dict[str, str]]) -> None:
+    base, folders = format_folders
+    model_config = registry_config(base)
+    model = load_model(base, model_config, 2, 16, torch.float32, "cpu")  # folds DoRA / vocabulary rows
     names = ("a", "b", "c", "d", "e")
 
     class ManagerMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
-            self.writer = RecordingWriter(2)
-            self.manager = AdapterManager(model_config, 2, 2, 16, self.writer)
+            self.writer = RecordingWriter(2, fold=model.prepare)
+            self.manager = AdapterManager(model_config, 2, 2, 16, self.writer, saved_rows_budget=BUDGET)
             self.ref = ReferenceSlots(2)
             self.live: dict[str, int] = {}  # name -> id
             self.folder_of: dict[int, str] = {}
+            self.kind_of: dict[int, str] = {}
             self.retired: set[int] = set()
             self.next_id = 1
             self.last: tuple[BatchMapping, LoRABatch] | None = None
@@ -78,15 +104,27 @@ def test_manager_against_reference_model(tiny_llama: Path, tiny_llama_adapters: 
         def pinned_ids(self) -> list[int]:
             return sorted(a for a, n in self.ref.pins.items() if n > 0)
 
+        def held_bytes(self) -> int:
+            """Saved rows of live versions and of unloaded ones still pinned."""
+            held = set(self.live.values()) | {a for a in self.retired if self.ref.pins.get(a, 0)}
+            return sum(KINDS[self.kind_of[a]][1] for a in held)
+
         @rule(name=st.sampled_from(names), folder=st.sampled_from(sorted(folders)))
         def load(self, name: str, folder: str) -> None:
             if name in self.live:
                 with pytest.raises(AdapterAlreadyLoaded):
                     self.manager.load(name, folders[folder])
                 return
+            if self.held_bytes() + KINDS[folder][1] > BUDGET:
+                event("load: refused, over the saved-rows budget")
+                with pytest.raises(AdapterMemoryBudgetExceeded):
+                    self.manager.load(name, folders[folder])
+                return
             info = self.manager.load(name, folders[folder])
             assert info.adapter_id == self.next_id and info.name == name
+            assert (info.uses_dora, info.saved_bytes) == KINDS[folder]
             self.live[name], self.folder_of[info.adapter_id] = info.adapter_id, folders[folder]
+            self.kind_of[info.adapter_id] = folder
             self.next_id += 1
 
         @rule(name=st.sampled_from(names))
@@ -167,6 +205,8 @@ def test_manager_against_reference_model(tiny_llama: Path, tiny_llama_adapters: 
             for slot, adapter_id in enumerate(self.ref.slots):  # invariant 1: the writer got the right weights
                 written = self.writer.slots[slot]
                 assert (written.path if written else None) == self.folder_of.get(adapter_id)
+                assert written is None or written.prepared  # folded at load, never in a step
+            assert self.manager.budget.used == self.held_bytes()
             if self.last is not None and all(self.ref.pins.get(a, 0) for a in self.last[0].token_adapter_ids
                                              if a is not None):
                 mapping, batch = self.last  # invariant 3: indices follow the version, never a stale memo
