@@ -6,6 +6,7 @@ metrics; a client that disconnects frees its request."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -176,3 +177,27 @@ def test_metrics_and_health(server: Server) -> None:
     assert 0 <= metric_value(server, "loraplex_adapter_slot_occupancy") <= 1
     r = httpx.get(f"{server.url}/health")
     assert (r.status_code, r.json()) == (200, {"status": "ok"})
+
+
+def test_chat_renders_the_adapters_own_template(server: Server, offline: LLM,
+                                               tiny_llama_adapters: dict[str, Path]) -> None:
+    """An adapter folder that ships ``chat_template.jinja``: its chat requests are rendered with it (the
+    base model's and other adapters' with the base template)."""
+    folder = server.root / "templated"
+    shutil.copytree(tiny_llama_adapters["r2_qv"], folder)
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
+                                                "{% endfor %}[assistant]")
+    offline.load_adapter("templated", folder)
+    r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "templated", "lora_path": str(folder)})
+    assert r.status_code == 200, r.text
+    try:
+        text = offline.engine.tokenizer_for("templated").apply_chat_template(MESSAGES, tokenize=False)
+        assert text.startswith("[system] You are terse.")
+        ids = offline.tokenizer(text, add_special_tokens=False)["input_ids"]
+        full = server.client().chat.completions.create(model="templated", messages=MESSAGES, max_tokens=8,
+                                                       temperature=0)
+        assert full.usage.prompt_tokens == len(ids) != len(chat_prompt_ids(offline))
+        assert full.choices[0].message.content == solo(offline, ids, "templated", 8)[0]
+    finally:
+        httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "templated"})
+        offline.unload_adapter("templated")

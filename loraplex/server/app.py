@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import Engine
+from loraplex.errors import UnknownAdapter
 from loraplex.server.access import AdapterPathPolicy, BearerAuthMiddleware
 from loraplex.server.errors import ServerError, install_error_handlers
 from loraplex.server.generation import Generation, run_generation
@@ -130,7 +131,11 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         adapter = adapter_for(body.model)
-        prompt_ids = body.prompt_ids(core.tokenizer_for(adapter))  # the adapter's own template, if it ships one
+        try:  # the adapter's own tokenizer and chat template, if its folder ships them
+            tokenizer = core.tokenizer_for(adapter)
+        except UnknownAdapter:  # run_generation answers 404 on "model", as for completions
+            tokenizer = core.tokenizer
+        prompt_ids = body.prompt_ids(tokenizer)
         room = max(core.max_model_len - len(prompt_ids), 1)  # default max_tokens: the rest of the context
         gen = Generation(
             builder=ResponseBuilder(chat=True, model=body.model),
