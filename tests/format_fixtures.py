@@ -12,7 +12,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.fixtures import ALL_PROJECTIONS
+from tests.fixtures import ALL_PROJECTIONS, PHI3_PROJECTIONS, projections_of
 
 # name -> LoraConfig fields (rank 4 unless set); every one also adapts some projections
 FORMATS: dict[str, dict[str, Any]] = {
@@ -23,6 +23,16 @@ FORMATS: dict[str, dict[str, Any]] = {
     "tokens": dict(target_modules=["k_proj", "gate_proj"], trainable_token_indices=[3, 17, 400]),
 }
 ADDED_TOKENS = ("<|tool_call|>", "<|tool_result|>", "<|think|>")
+
+
+def format_config(base: Path, name: str) -> dict[str, Any]:
+    """``FORMATS[name]`` for ``base``'s family: Phi-3 fuses q/k/v and gate/up (PEFT names them so too)."""
+    config = dict(FORMATS[name])
+    if projections_of(base) == PHI3_PROJECTIONS:
+        fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                 "up_proj": "gate_up_proj"}
+        config["target_modules"] = list(dict.fromkeys(fused.get(t, t) for t in config["target_modules"]))
+    return config
 
 
 def randomise(peft_model: torch.nn.Module, seed: int) -> None:

@@ -15,7 +15,14 @@ from transformers import AutoModelForCausalLM
 
 from loraplex import LLM, SamplingParams
 from tests.fixtures import write_peft_adapter, write_tiny_model
-from tests.format_fixtures import ADDED_TOKENS, FORMATS, resized_base, write_added_tokens_adapter, write_format_adapter
+from tests.format_fixtures import (
+    ADDED_TOKENS,
+    FORMATS,
+    format_config,
+    resized_base,
+    write_added_tokens_adapter,
+    write_format_adapter,
+)
 from tests.reference import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -34,14 +41,16 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 20))] for _ in range(n)]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "llama3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama3", "qwen3", "gemma3", "phi3"])
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
-    """A tiny base (llama and qwen2 tie their embeddings, llama3 does not) and one adapter per format."""
-    base = write_tiny_model(tmp_path_factory.mktemp(f"fmt-{request.param}"), request.param, vocab_size=VOCAB)
+    """A tiny base of each family (llama, qwen2, qwen3 and gemma3 tie their embeddings, llama3 and phi3 do
+    not; gemma3 scales them) and one adapter per format."""
+    extra = {"pad_token_id": 0} if request.param == "phi3" else {}  # Phi-3's default pad id is past VOCAB
+    base = write_tiny_model(tmp_path_factory.mktemp(f"fmt-{request.param}"), request.param, vocab_size=VOCAB, **extra)
     root = tmp_path_factory.mktemp(f"fmt-{request.param}-adapters")
-    adapters = {name: write_format_adapter(base, root / name, seed=i + 1, **dict(config))
-                for i, (name, config) in enumerate(FORMATS.items())}
-    adapters["plain"] = write_peft_adapter(base, root / "plain", rank=8, alpha=16.0, seed=9)
+    adapters = {name: write_format_adapter(base, root / name, seed=i + 1, **format_config(base, name))
+                for i, name in enumerate(FORMATS)}
+    adapters["plain"] = write_peft_adapter(base, root / "plain", rank=8, alpha=16.0, seed=9)  # every projection
     return base, adapters
 
 
