@@ -14,6 +14,9 @@ from loraplex.config import ModelConfig
 
 
 class NullWriter:
+    def prepare(self, weights: AdapterWeights) -> AdapterWeights:
+        return weights  # plain LoRA: nothing to fold
+
     def set_slot(self, slot: int, weights: AdapterWeights) -> None:
         pass
 

@@ -109,7 +109,7 @@ def cross_adapters(tiny_checkpoint: Callable[[str], Path], tmp_path_factory: pyt
 @pytest.mark.parametrize(("base_arch", "adapter_arch", "error", "message"), [
     ("phi3", "qwen3", InvalidAdapter, r"module 'model\.layers\.0\.mlp\.gate_proj', which the base "
      r"model \(Phi3ForCausalLM\) does not have.*adaptable: layers\.N\.self_attn\.qkv_proj, layers\.N\.self_attn"
-     r"\.o_proj, layers\.N\.mlp\.gate_up_proj, layers\.N\.mlp\.down_proj\)"),
+     r"\.o_proj, layers\.N\.mlp\.gate_up_proj, layers\.N\.mlp\.down_proj, embed_tokens, lm_head\)"),
     ("qwen3", "phi3", InvalidAdapter, r"mlp\.gate_up_proj', which the base model \(Qwen3ForCausalLM\) does not have"
      r".*adaptable: layers\.N\.self_attn\.q_proj"),
     ("gemma3", "phi3", InvalidAdapter, r"mlp\.gate_up_proj', which the base model \(Gemma3ForCausalLM\)"),

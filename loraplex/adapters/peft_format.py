@@ -138,8 +138,9 @@ def _build_modules(folder: Path, config: AdapterConfig, parts: Mapping[str, Mapp
             raise AdapterRankTooLarge(
                 f"{folder}: module {module!r} has rank {r}, over max_lora_rank={max_lora_rank}")
         shape = projections[proj]
-        a = check_tensor(folder, f"{module}.lora_A", pair["lora_A"], (r, shape.in_features), finite=finite)
-        b = check_tensor(folder, f"{module}.lora_B", pair["lora_B"], (shape.out_features, r), finite=finite)
+        why = f" (rank {r}; base {proj} is {shape.in_features} -> {shape.out_features})"
+        a = check_tensor(folder, f"{module}.lora_A", pair["lora_A"], (r, shape.in_features), why, finite)
+        b = check_tensor(folder, f"{module}.lora_B", pair["lora_B"], (shape.out_features, r), why, finite)
         if in_place and b is pair["lora_B"]:
             to_fold.setdefault(config.scale_for(module), []).append(b)
         else:

@@ -230,12 +230,13 @@ def module_path(tensor_name: str, module: str) -> str:
     return tensor_name[: tensor_name.rindex(f"{module}.") + len(module)]
 
 
-def check_tensor(folder: Path, name: str, tensor: torch.Tensor, shape: tuple[int, ...],
+def check_tensor(folder: Path, name: str, tensor: torch.Tensor, shape: tuple[int, ...], why: str = "",
                  finite: bool = False) -> torch.Tensor:
-    """``tensor`` as contiguous float32 (the same tensor when it already is) after checking its shape,
-    dtype and values (``finite``: already known finite, e.g. from one check over the whole file)."""
+    """``tensor`` as contiguous float32 (the same tensor when it already is) after checking its shape
+    (``why`` explains the expected one), dtype and values (``finite``: already known finite, e.g. from one
+    check over the whole file)."""
     if tuple(tensor.shape) != shape:
-        raise AdapterShapeMismatch(f"{folder}: {name} has shape {list(tensor.shape)}, expected {list(shape)}")
+        raise AdapterShapeMismatch(f"{folder}: {name} has shape {list(tensor.shape)}, expected {list(shape)}{why}")
     if not tensor.is_floating_point():
         raise InvalidAdapter(f"{folder}: {name} has non-float dtype {tensor.dtype}")
     if not finite and not bool(torch.isfinite(tensor).all()):
