@@ -34,27 +34,34 @@ def prepare_adapter(model, weights: Any) -> Any:
     """``weights`` with ``dora_scales`` filled and every vocabulary module folded; see the module docstring."""
     source = getattr(weights, "path", "adapter")
     scales = {}
-    dense: dict[int, torch.Tensor] = {}  # one plain copy per packed layer (the base may be oneDNN-packed)
-    adapted = model.adapted_layers()
-    for (layer_idx, proj), magnitude in weights.magnitudes.items():
-        linear = next(lin for lin in adapted[layer_idx] if proj in lin.names)
-        i = linear.names.index(proj)
-        if id(linear) not in dense:
-            dense[id(linear)] = linear.dense_weight()
-        w = dense[id(linear)][linear.out_offsets[i] : linear.out_offsets[i + 1]]  # [out_p, in]
-        a, b = weights.modules[(layer_idx, proj)]
-        scales[(layer_idx, proj)] = dora_scale(w, b @ a, magnitude, 1, f"{source}: layer {layer_idx} {proj}")
-    base = {"embed_tokens": model.embed_tokens.weight, "lm_head": model.lm_head_weight}
-    folded_rows: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+    for layer_idx, linears in enumerate(model.adapted_layers()):
+        for linear in linears:
+            names = [n for n in linear.names if (layer_idx, n) in weights.magnitudes]
+            if not names:
+                continue
+            dense = linear.dense_weight()  # [sum(out), in]: one plain copy at a time (the base may be packed)
+            for proj in names:
+                i = linear.names.index(proj)
+                w = dense[linear.out_offsets[i] : linear.out_offsets[i + 1]]  # [out_p, in]
+                a, b = weights.modules[(layer_idx, proj)]
+                scales[(layer_idx, proj)] = dora_scale(w, b @ a, weights.magnitudes[(layer_idx, proj)], 1,
+                                                       f"{source}: layer {layer_idx} {proj}")
+    bases: dict[str, torch.Tensor] = {}  # built on first use: an int8 lm_head is dequantized to read it
+    folded_rows: dict[tuple[int, str], tuple[torch.Tensor | None, torch.Tensor | None]] = {}
     vocab = {}
     for name, module in weights.vocab.items():
-        key = (id(module.rows), id(base[name]))  # a tied pair folds once and stays shared
+        source_matrix = "embed_tokens" if model.config.tie_word_embeddings else name
+        if source_matrix not in bases:
+            embed = source_matrix == "embed_tokens"
+            bases[source_matrix] = model.embed_tokens.weight if embed else model.lm_head_weight
+        base = bases[source_matrix]
+        key = (id(module.rows), source_matrix)  # a tied pair folds once and stays shared
         if key not in folded_rows:
-            folded_rows[key] = _changed_rows(module.row_ids, module.rows, base[name])
+            folded_rows[key] = _changed_rows(module.row_ids, module.rows, base)
         row_ids, rows = folded_rows[key]
         scale = None
         if module.magnitude is not None:
-            matrix = _served_matrix(base[name], module.vocab_size, row_ids, rows)  # [V_a, hidden]
+            matrix = _served_matrix(base, module.vocab_size, row_ids, rows)  # [V_a, hidden]
             a, b = module.lora
             delta, dim = (a.t() @ b.t(), 0) if name == "embed_tokens" else (b @ a, 1)  # [V_a, hidden]
             scale = dora_scale(matrix, delta, module.magnitude, dim, f"{source}: {name}")
