@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,32 +51,38 @@ class LLM:
         adapters: str | None | Sequence[str | None] = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order. ``adapters[i]`` names prompt i's
-        adapter (None = base model); one name or None applies to all. Every request is validated
-        before any is queued, so a bad one raises without running the others."""
+        """Run every prompt to completion; one output per prompt, in prompt order. ``adapters[i]`` names
+        prompt i's adapter (None = base model); one name or None applies to all. Every request is
+        validated before any is queued, so a bad one raises without running the others; all are queued
+        together. With ``n > 1`` each choice runs as its own request: ``outs[i]`` is prompt i's first
+        choice and ``outs[i].outputs`` holds all ``n`` (vLLM's shape; also filled for ``n == 1``)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        n = len(prompts)
-        params = self._per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
-        names = self._per_prompt(adapters, n, "adapters")
+        params = self._per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        names = self._per_prompt(adapters, len(prompts), "adapters")
         for name in set(names) - {None}:
             self.engine.adapters.resolve(name)
         token_ids = [self.engine.tokenize(p, a) for p, a in zip(prompts, names, strict=True)]  # type: ignore[arg-type]
-        for p in params:
-            p.validate()
-        ids = [self.engine.add_request(None, t, p, a) for t, p, a in zip(token_ids, params, names, strict=True)]
+        items = [(None, t, choice, a) for t, p, a in zip(token_ids, params, names, strict=True)
+                 for choice in p.choices()]
+        ids = self.engine.add_requests(items)  # validates every choice before queuing any
         results: dict[str, RequestOutput] = {}
         generated = 0
         start = time.perf_counter()
-        with tqdm(total=n, desc="generate", unit="req", disable=not use_tqdm or n < 2) as bar:
-            while len(results) < n:
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
+            while len(results) < len(ids):
                 for out in self.engine.step():
                     generated += 1
                     if out.finished:
                         results[out.request_id] = out
                         bar.update()
                 bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - start, 1e-9):.1f}")
-        return [results[i] for i in ids]
+        grouped, at = [], 0
+        for p in params:
+            choices = [replace(results[i], index=j) for j, i in enumerate(ids[at : at + p.n])]
+            grouped.append(replace(choices[0], outputs=choices))
+            at += p.n
+        return grouped
 
     @staticmethod
     def _per_prompt(value: Any, n: int, name: str) -> list[Any]:

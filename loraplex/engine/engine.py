@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,11 @@ from loraplex.adapters.manager import AdapterManager
 from loraplex.config import EngineConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.kv_cache import BlockAllocator, KVCache
+from loraplex.engine.logprobs import token_logprobs
 from loraplex.engine.request import Request, RequestOutput, SamplingParams
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.engine.sampling import sample
-from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.scheduler import ScheduledRequest, Scheduler
 from loraplex.errors import LoraplexError, RequestError
 from loraplex.layers.lora_linear import use_lora_kernels
 from loraplex.models.embedded import resolve_model
@@ -94,7 +96,7 @@ class Engine:
         self.max_model_len = min(self.model_config.max_position_embeddings, num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.allocator, self.adapters, self.model_config.eos_token_ids,
                                    self.max_model_len)
-        self._inbox: queue.SimpleQueue[Request | str] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[list[Request] | str] = queue.SimpleQueue()
         self._requests: dict[str, Request] = {}
         self._generator = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
@@ -151,9 +153,26 @@ class Engine:
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     adapter: str | None = None) -> str:
         """Validate and queue a request; raises before anything is queued. Returns its id."""
-        params.validate()
+        return self.add_requests([(request_id, prompt, params, adapter)])[0]
+
+    def add_requests(self, items: Sequence[tuple[str | None, str | list[int], SamplingParams, str | None]]
+                     ) -> list[str]:
+        """Validate every ``(request_id, prompt, params, adapter)``, then queue them all at once, so they
+        are admitted together (the choices of an ``n > 1`` request, the prompts of a prompt list); raises
+        before anything is queued. Each request is one choice (``params.n == 1``): fan a request out with
+        ``params.choices()``. Returns their ids."""
+        requests = [self._make_request(*item) for item in items]
+        self._inbox.put(requests)
+        return [r.request_id for r in requests]
+
+    def _make_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
+                      adapter: str | None) -> Request:
         adapter_id = self.adapters.resolve(adapter) if adapter is not None else None
         tokenizer, vocab_size = self._version(adapter_id)  # the version's own tokenizer, if it ships one
+        params.validate(vocab_size)
+        if params.n != 1:
+            raise RequestError(f"an engine request is one choice, got n={params.n}: submit params.choices() "
+                               "(LLM.generate and the server do)", "n")
         token_ids = self._tokenize(prompt, tokenizer, vocab_size)
         if not token_ids:
             raise RequestError("prompt is empty", "prompt")
@@ -164,8 +183,7 @@ class Engine:
         generator = self._generator if params.seed is None else torch.Generator().manual_seed(params.seed)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         detokenizer = IncrementalDetokenizer(tokenizer, params.stop)
-        self._inbox.put(Request(request_id, token_ids, params, adapter, adapter_id, generator, detokenizer))
-        return request_id
+        return Request(request_id, token_ids, params, adapter, adapter_id, generator, detokenizer)
 
     def abort_request(self, request_id: str) -> None:
         self._inbox.put(request_id)
@@ -191,31 +209,47 @@ class Engine:
         if not batch:
             return outputs
         entries = [StepEntry(tuple(s.request.all_token_ids[s.start:s.start + s.num_tokens]), s.start,
-                             tuple(s.request.block_table)) for s in batch]
+                             tuple(s.request.block_table), _needs_prompt_rows(s)) for s in batch]
         mapping = BatchMapping.from_sequences([(s.request.adapter_id, s.num_tokens) for s in batch])
         lora = self.adapters.lora_batch(mapping)
         if self.config.debug_checks:
             self._check_right_weights(mapping, lora)
         with torch.inference_mode():
-            logits = self.runner.execute(entries, lora)
-        rows = [i for i, s in enumerate(batch) if s.samples]
-        tokens: list[int] = []
-        if rows:
-            sampling = [batch[i].request for i in rows]
-            tokens = sample(logits[rows], [r.params for r in sampling], [r.generator for r in sampling])
+            logits = self.runner.execute(entries, lora)  # [R, vocab]
+            ends = list(itertools.accumulate(e.num_logits for e in entries))  # logits row after each entry's
+            for i in (i for i, e in enumerate(entries) if e.all_logits):
+                _add_prompt_logprobs(batch[i], logits[ends[i] - entries[i].num_logits : ends[i]])
+            tokens = self._sample(logits, [ends[i] - 1 for i, s in enumerate(batch) if s.draws],
+                                  [s.request for s in batch if s.draws])
         for request in self.scheduler.update(batch, tokens):
             if request.finished:
                 self._requests.pop(request.request_id, None)
             outputs.append(self._output(request))
         return outputs
 
+    def _sample(self, logits: torch.Tensor, rows: list[int], requests: list[Request]) -> list[int]:
+        """Draw each request's next token from its row of ``logits`` and record the logprobs it asked for
+        (from the raw logits, before the sampler's processors change them in place)."""
+        if not rows:
+            return []
+        logits = logits if rows == list(range(logits.shape[0])) else logits[rows]  # [S, vocab]
+        asking = [j for j, r in enumerate(requests) if r.params.logprobs is not None]
+        raw = logits[asking] if asking else None  # a copy
+        tokens = sample(logits, requests, self.model_config.eos_token_ids)
+        if raw is not None:
+            found = token_logprobs(raw, [tokens[j] for j in asking], [requests[j].params.logprobs for j in asking])
+            for j, entry in zip(asking, found, strict=True):
+                requests[j].logprobs.append(entry)
+        return tokens
+
     def _drain_inbox(self) -> list[RequestOutput]:
         outputs = []
         while not self._inbox.empty():
             item = self._inbox.get()
-            if isinstance(item, Request):
-                self._requests[item.request_id] = item
-                self.scheduler.add(item)
+            if isinstance(item, list):  # requests submitted together
+                for request in item:
+                    self._requests[request.request_id] = request
+                    self.scheduler.add(request)
             elif (request := self._requests.get(item)) is not None:
                 outputs.append(self._finish(request, "abort"))
         return outputs
@@ -253,4 +287,25 @@ class Engine:
             request_id=request.request_id, adapter=request.adapter,
             prompt_token_ids=request.prompt_token_ids, token_ids=list(request.output_token_ids),
             text=detok.text if detok else "", delta_text=detok.pop_delta(request.finished) if detok else "",
-            finished=request.finished, finish_reason=request.finish_reason, error=request.error)
+            finished=request.finished, finish_reason=request.finish_reason, error=request.error,
+            logprobs=None if request.logprobs is None else list(request.logprobs),
+            prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs))
+
+
+def _needs_prompt_rows(s: ScheduledRequest) -> bool:
+    """Whether this step computes prompt positions whose logprobs the request asked for and lacks."""
+    done = s.request.prompt_logprobs
+    return done is not None and max(s.start, len(done) - 1) < min(s.start + s.num_tokens,
+                                                                   len(s.request.prompt_token_ids) - 1)
+
+
+def _add_prompt_logprobs(s: ScheduledRequest, logits: torch.Tensor) -> None:
+    """Append the logprobs of the prompt tokens that ``logits [num_tokens, vocab]`` (row j: position
+    ``s.start + j``, which predicts the token at ``s.start + j + 1``) score and the request still lacks;
+    a recomputed (preempted) prompt is not scored twice."""
+    request = s.request
+    prompt, done = request.prompt_token_ids, request.prompt_logprobs
+    first, end = max(s.start, len(done) - 1), min(s.start + s.num_tokens, len(prompt) - 1)  # positions q
+    targets = prompt[first + 1 : end + 1]
+    done += token_logprobs(logits[first - s.start : end - s.start], targets,
+                           [request.params.prompt_logprobs] * len(targets))

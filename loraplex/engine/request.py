@@ -3,61 +3,30 @@
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex.errors import LoraplexError, RequestError
+from loraplex.engine.logprobs import TokenLogprob
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.errors import LoraplexError
 
 if TYPE_CHECKING:
     from loraplex.engine.detokenizer import IncrementalDetokenizer
+    from loraplex.engine.logits_processors import ProcessorState
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick each next token. ``temperature == 0`` is greedy; ``top_k == 0`` is off."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        # Accept a single string or any sequence for the tuple fields.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    def validate(self) -> None:
-        """Raise ``RequestError`` naming the first invalid field."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
-        if not math.isfinite(self.temperature) or not 0.0 <= self.temperature <= 2.0:
-            raise RequestError(f"temperature must be in [0, 2], got {self.temperature!r}", "temperature")
-        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise RequestError(f"top_k must be 0 (off) or a positive integer, got {self.top_k!r}", "top_k")
-        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
-            raise RequestError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}", "seed")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise RequestError("stop must be non-empty strings", "stop")
+__all__ = ["Request", "RequestOutput", "RequestStatus", "SamplingParams", "TokenLogprob"]
 
 
 @dataclass
 class RequestOutput:
-    """One request's state after a step; ``delta_text`` is what is new since its previous output."""
+    """One request's state after a step; ``delta_text`` is what is new since its previous output.
+
+    ``logprobs`` (when the request asked) has one entry per ``token_ids`` entry; ``prompt_logprobs`` one
+    per prompt token, the first None. ``LLM.generate`` returns one output per prompt: its first choice,
+    with every choice (``n`` of them, vLLM's shape) in ``outputs``, each with its ``index``.
+    """
 
     request_id: str
     adapter: str | None
@@ -68,6 +37,10 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: LoraplexError | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0  # which choice of its prompt this is
+    outputs: list[RequestOutput] = field(default_factory=list)
 
 
 class RequestStatus(enum.Enum):
@@ -95,6 +68,15 @@ class Request:
     pinned: bool = False  # holds a pin on its adapter's slot
     finish_reason: str | None = None
     error: LoraplexError | None = None
+    logprobs: list[TokenLogprob] | None = None  # per generated token, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token so far, when asked
+    processor_state: ProcessorState | None = None  # the logits processors' tensors, built on first use
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]  # the first prompt token has no context to score it
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -4,7 +4,8 @@ Each ``StepEntry`` is the work of one sequence this step: a prompt (or a chunk o
 decode token. The runner concatenates the entries' tokens in order (the order the LoRA mapping
 must follow), builds the step's ``AttentionMetadata`` once with a handful of vectorised tensor ops
 (no per-token Python loops; one ``ContextPlan`` per distinct attention window of the model's layers),
-runs the model, and returns the logits of each entry's last token.
+runs the model, and returns the logits of each entry's last token (or of all its tokens, for an entry
+that asks: prompt logprobs).
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ class StepEntry:
     token_ids: tuple[int, ...]  # tokens computed this step (a prompt chunk, or one decode token)
     start_pos: int  # position of token_ids[0]
     block_table: tuple[int, ...]  # physical blocks covering positions [0, start_pos + len(token_ids))
+    all_logits: bool = False  # logits of every token (prompt logprobs), not just the last one
+
+    @property
+    def num_logits(self) -> int:
+        return len(self.token_ids) if self.all_logits else 1
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,7 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    logits_rows: torch.Tensor  # [S] int64 row of each entry's last token
+    logits_rows: torch.Tensor  # [R] int64: each entry's last token's row, or all its rows (all_logits)
     attn: AttentionMetadata
 
 
@@ -150,10 +156,14 @@ def prepare_step(entries: Sequence[StepEntry], block_size: int, model_config: Mo
         plans=plans,
         num_tokens=len(flat),
     )
+    logits_rows = cu_t[1:] - 1  # [S]
+    if any(e.all_logits for e in entries):
+        logits_rows = torch.tensor([r for i, e in enumerate(entries)
+                                    for r in (range(cu[i], cu[i + 1]) if e.all_logits else (cu[i + 1] - 1,))])
     return StepInputs(
         input_ids=torch.tensor(flat, dtype=torch.int64).to(device),
         positions=positions.to(device),
-        logits_rows=(cu_t[1:] - 1).to(device),
+        logits_rows=logits_rows.to(device),
         attn=attn,
     )
 
@@ -174,8 +184,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, entries: Sequence[StepEntry], lora: LoRABatch | None) -> torch.Tensor:
-        """Logits ``[len(entries), vocab]`` float32 of each entry's last token; writes the entries' K/V
-        into the cache. ``lora`` (if any) must list the tokens in the same flat order as ``entries``."""
+        """Float32 logits ``[sum(e.num_logits), vocab]``: each entry's last token, or every token of an entry
+        with ``all_logits``, in entry order; writes the entries' K/V into the cache. ``lora`` (if any) must
+        list the tokens in the same flat order as ``entries``."""
         step = prepare_step(entries, self.block_size, self.model.config, self.dtype, self.device,
                             self.model.served_vocab_size)  # adapters may add tokens
         if lora is not None and lora.num_tokens != step.attn.num_tokens:

@@ -42,6 +42,12 @@ class ScheduledRequest:
         """Whether this step's last token yields the request's next token (prefill complete)."""
         return self.start + self.num_tokens == self.request.num_tokens
 
+    @property
+    def draws(self) -> bool:
+        """Whether a token is drawn for it this step (prefill complete and ``max_tokens > 0``; a request
+        with ``max_tokens == 0`` only computes its prompt, e.g. to score it)."""
+        return self.samples and self.request.params.max_tokens > 0
+
 
 class Scheduler:
     """``adapters`` needs only ``try_acquire(id) -> slot | None`` and ``release(id)``; a request stops at
@@ -140,18 +146,26 @@ class Scheduler:
         return True
 
     def update(self, scheduled: Sequence[ScheduledRequest], tokens: Sequence[int]) -> list[Request]:
-        """Post-step bookkeeping. Every scheduled request's computed tokens advance; each one that sampled
-        (``samples``; ``tokens`` holds their new tokens in batch order) appends its token and finishes when
-        it hits a stop condition. Returns the requests that sampled, in batch order."""
+        """Post-step bookkeeping. Every scheduled request's computed tokens advance; each one that drew a
+        token (``draws``; ``tokens`` holds their new tokens in batch order) appends it and finishes when it
+        hits a stop condition; one whose prompt is complete with ``max_tokens == 0`` finishes ("length").
+        Returns the requests whose prompt is complete (``samples``), in batch order."""
+        if len(tokens) != sum(s.draws for s in scheduled):
+            raise ValueError(f"{len(tokens)} tokens for {sum(s.draws for s in scheduled)} requests that draw one")
+        complete = [(s.request, s.draws) for s in scheduled if s.samples]  # before tokens are appended
         for s in scheduled:
             s.request.num_computed_tokens += s.num_tokens
-        sampled = [s.request for s in scheduled if s.samples]
-        for request, token in zip(sampled, tokens, strict=True):
+        drawn = iter(tokens)
+        for request, draws in complete:
+            if not draws:
+                self.finish(request, "length")
+                continue
+            token = next(drawn)
             request.output_token_ids.append(token)
             reason = self._stop_reason(request, token)
             if reason is not None:
                 self.finish(request, reason)
-        return sampled
+        return [request for request, _ in complete]
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         """"stop" for a stop string (seen by the request's detokenizer), a stop token id or EOS; "length" at
