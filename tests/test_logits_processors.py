@@ -48,7 +48,8 @@ def random_params(rng: random.Random, vocab: int) -> SamplingParams:
         repetition_penalty=rng.choice([1.0, rng.uniform(0.5, 2.0)]),
         presence_penalty=rng.choice([0.0, rng.uniform(-2, 2)]),
         frequency_penalty=rng.choice([0.0, rng.uniform(-2, 2)]),
-        logit_bias={rng.randrange(vocab): rng.uniform(-100, 100) for _ in range(rng.randrange(4))} if pick() < .5 else {},
+        logit_bias={rng.randrange(vocab): rng.uniform(-100, 100) for _ in range(rng.randrange(4))} if pick() < .5
+        else {},
         min_tokens=rng.choice([0, rng.randrange(1, 12)]),
         stop_token_ids=tuple(rng.sample(range(vocab), 2)) if pick() < 0.5 else (),
         ignore_eos=pick() < 0.3,
@@ -139,5 +140,6 @@ def test_greedy_with_processors_equals_hf_generate(tiny_llama: Path, tiny_llama_
     assert [len(o.token_ids) for o in outs[-len(names):]] == [6] * len(names)
     plain = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), adapters=adapters,
                          use_tqdm=False)
-    changed = {CASES.index(case) for (case, *_), o, q in zip(jobs, outs, plain, strict=True) if o.token_ids != q.token_ids}
+    changed = {CASES.index(case) for (case, *_), o, q in zip(jobs, outs, plain, strict=True)
+               if o.token_ids != q.token_ids}
     assert changed == set(range(1, len(CASES))), f"only cases {changed} changed an output"

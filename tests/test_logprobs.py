@@ -49,7 +49,8 @@ def check(entry: TokenLogprob, ref: torch.Tensor, token: int, k: int) -> None:
         assert abs(float(ref[t]) - lp) <= ATOL
 
 
-def test_logprobs_equal_hf_peft_in_mixed_batch(llm: LLM, tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> None:
+def test_logprobs_equal_hf_peft_in_mixed_batch(llm: LLM, tiny_llama: Path,
+                                               tiny_llama_adapters: dict[str, Path]) -> None:
     """Greedy, sampled and penalised rows, with and without an adapter, in one batch: generated-token and
     prompt logprobs are the raw model's (before temperature and penalties), prompts prefilled in chunks."""
     rng = random.Random(3)

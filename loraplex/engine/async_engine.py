@@ -20,7 +20,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from loraplex.engine.request import RequestOutput, SamplingParams
@@ -110,20 +110,29 @@ class AsyncEngine:
         self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None = None
     ) -> RequestStream:
         """Queue a request; raises the engine's ``UnknownAdapter`` / ``RequestError`` before queuing."""
+        return (await self.submit_many([(request_id, prompt, params, adapter)]))[0]
+
+    async def submit_many(
+        self, items: Sequence[tuple[str, str | list[int], SamplingParams, str | None]]
+    ) -> list[RequestStream]:
+        """Queue ``(request_id, prompt, params, adapter)`` requests in one engine call (admitted together:
+        the choices and prompts of one API request); raises before any is queued."""
         self.start()
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request_id, loop)
+        streams = [RequestStream(self, item[0], loop) for item in items]
         with self._lock:
-            if request_id in self._streams:
-                raise RequestError(f"request id {request_id!r} is already in use", "request_id")
-            self._streams[request_id] = stream
+            taken = [s.request_id for s in streams if s.request_id in self._streams]
+            if taken or len({s.request_id for s in streams}) < len(streams):
+                raise RequestError(f"request id {(taken or [''])[0]!r} is already in use", "request_id")
+            self._streams.update((s.request_id, s) for s in streams)
         try:
-            self.engine.add_request(request_id, prompt, params, adapter)
+            self.engine.add_requests(items)
         except BaseException:
-            self._forget(request_id)
+            for stream in streams:
+                self._forget(stream.request_id)
             raise
         self._wakeup.set()
-        return stream
+        return streams
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, adapter: str | None = None,

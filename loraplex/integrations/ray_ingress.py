@@ -23,8 +23,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from loraplex.integrations.asgi_bridge import ForwardedRequest, ResponseStart
 from loraplex.integrations.ray_config import RayServeConfig
 from loraplex.server.access import BearerAuthMiddleware
-from loraplex.server.errors import error_response
-from loraplex.server.protocol import error_body
+from loraplex.server.errors import error_body, error_response
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,9 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamable),
 ``GET /v1/models``, ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``,
-``GET /health``, ``GET /metrics``, and the playground (``GET /``, ``GET /v1/slots``: see
-``loraplex.server.playground``). The ``model`` field names the base model or an adapter.
+``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /metrics``, ``GET /openapi.json``,
+and the playground (``GET /``, ``GET /v1/slots``: see ``loraplex.server.playground``). The ``model``
+field names the base model or an adapter.
 The engine's step loop runs in one background thread (see ``loraplex.engine.async_engine``),
 started with the app and stopped with it.
 """
@@ -24,18 +25,33 @@ from fastapi.responses import JSONResponse, Response
 
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import Engine
-from loraplex.errors import UnknownAdapter
+from loraplex.errors import RequestError, UnknownAdapter
 from loraplex.server.access import AdapterPathPolicy, BearerAuthMiddleware
 from loraplex.server.errors import ServerError, install_error_handlers
 from loraplex.server.generation import Generation, run_generation
 from loraplex.server.metrics import CONTENT_TYPE, ServerMetrics
+from loraplex.server.openapi import documented, install_openapi
 from loraplex.server.playground import mount_playground
 from loraplex.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadAdapterRequest,
-    ResponseBuilder,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     UnloadAdapterRequest,
+    render_chat,
+)
+from loraplex.server.responses import ResponseBuilder, TokenTexts
+from loraplex.server.schemas import (
+    AdapterLoaded,
+    AdapterUnloaded,
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    Health,
+    ModelList,
+    TokenizeResponse,
 )
 
 logger = logging.getLogger(__name__)
@@ -80,6 +96,9 @@ def create_app(
 
     app = FastAPI(title="loraplex", lifespan=lifespan)
     install_error_handlers(app)
+    install_openapi(app, vocab_size=core.model_config.vocab_size, max_model_len=core.max_model_len,
+                    auth=bool(api_key), model_examples=[base_name, *(a.name for a in core.list_adapters())])
+    tokens = TokenTexts(core.tokenizer)
     if api_key:
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
     app.state.async_engine = async_engine
@@ -88,6 +107,18 @@ def create_app(
 
     def adapter_for(model: str) -> str | None:
         return None if model in base_aliases else model
+
+    def tokenizer_for(model: str) -> Any:
+        """The tokenizer serving ``model`` (404 on ``model`` if it is neither the base nor an adapter)."""
+        adapter = adapter_for(model)
+        try:
+            if adapter is not None:
+                core.adapters.resolve(adapter)
+        except UnknownAdapter as exc:
+            raise ServerError(404, f"model {model!r} not found (see GET /v1/models)", "model") from exc
+        if core.tokenizer is None:
+            raise RequestError(f"model {model!r} has no tokenizer", "model")
+        return core.tokenizer
 
     def model_card(model_id: str, root: str, parent: str | None, created: int) -> dict:
         return {"id": model_id, "object": "model", "created": created, "owned_by": "loraplex",
@@ -98,37 +129,44 @@ def create_app(
     def adapter_card(info: Any) -> dict:
         return model_card(info.name, str(info.path), base_name, loaded_at.get(info.name, started))
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses=documented(Health, 503))
     async def health() -> Response:
         if not async_engine.running:
             return JSONResponse({"status": "error", "detail": "step loop not running"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_model=None, responses=documented(None, ok_media=CONTENT_TYPE.split(";")[0]))
     async def prometheus() -> Response:
         return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> dict:
         infos = await asyncio.to_thread(core.list_adapters)
         cards = [model_card(base_name, str(core.config.model), None, started)]
         cards += [adapter_card(info) for info in infos]
         return {"object": "list", "data": cards}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, responses=documented(CompletionResponse, 400, 404, 409,
+                                                                            stream=True))
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        prompts = body.prompts()
+        params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
+        echoed = [p if isinstance(p, str) else tokenizer_for(body.model).decode(p) for p in prompts if body.echo]
         gen = Generation(
-            builder=ResponseBuilder(chat=False, model=body.model),
-            prompt=body.single_prompt(),
-            params=body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS),
+            builder=ResponseBuilder(chat=False, model=body.model, tokens=tokens, n=params.n, echo=bool(body.echo),
+                                    prompt_texts=echoed, show_prompt_logprobs=body.prompt_logprobs is not None),
+            prompts=prompts,
+            params=params,
             adapter=adapter_for(body.model),
             stream=bool(body.stream),
             include_usage=body.include_usage,
             prompt_param="prompt",
+            user=body.user,
         )
         return await run_generation(async_engine, metrics, gen, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=documented(ChatCompletionResponse, 400, 404, 409, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         adapter = adapter_for(body.model)
         try:  # the adapter's own tokenizer and chat template, if its folder ships them
@@ -137,18 +175,41 @@ def create_app(
             tokenizer = core.tokenizer
         prompt_ids = body.prompt_ids(tokenizer)
         room = max(core.max_model_len - len(prompt_ids), 1)  # default max_tokens: the rest of the context
+        params = body.sampling_params(room)
         gen = Generation(
-            builder=ResponseBuilder(chat=True, model=body.model),
-            prompt=prompt_ids,
-            params=body.sampling_params(room),
+            builder=ResponseBuilder(chat=True, model=body.model, tokens=tokens, n=params.n,
+                                    show_prompt_logprobs=body.prompt_logprobs is not None),
+            prompts=[prompt_ids],
+            params=params,
             adapter=adapter,
             stream=bool(body.stream),
             include_usage=body.include_usage,
             prompt_param="messages",
+            user=body.user or body.safety_identifier,
         )
         return await run_generation(async_engine, metrics, gen, request)
 
-    @app.post("/v1/load_lora_adapter")
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=documented(TokenizeResponse, 400, 404))
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+        """vLLM's ``/tokenize``: a prompt, or chat messages rendered as ``/v1/chat/completions`` renders them."""
+        tokenizer = tokenizer_for(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            ids = render_chat(tokenizer, [m.template_message() for m in body.messages])
+        else:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=documented(DetokenizeResponse, 400, 404))
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        tokenizer = tokenizer_for(body.model)
+        vocab = core.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise RequestError(f"tokens must be token ids in [0, {vocab})", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/load_lora_adapter", response_model=AdapterLoaded,
+              responses=documented(AdapterLoaded, 400, 403, 404, 409))
     async def load_lora_adapter(body: LoadAdapterRequest) -> dict:
         path = policy.check(body.lora_path)
         if body.lora_name in base_aliases:
@@ -163,7 +224,8 @@ def create_app(
         logger.info("loaded adapter %r from %s", body.lora_name, path)
         return {"status": "ok", "message": f"adapter {body.lora_name!r} loaded", **adapter_card(info)}
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", response_model=AdapterUnloaded,
+              responses=documented(AdapterUnloaded, 400, 403, 404))
     async def unload_lora_adapter(body: UnloadAdapterRequest) -> dict:
         policy.check_enabled()
         await async_engine.unload_adapter(body.lora_name)

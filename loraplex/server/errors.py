@@ -16,7 +16,6 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.errors import LoraplexError
-from loraplex.server.protocol import error_body
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +29,11 @@ _TYPE_BY_STATUS = {
     413: "invalid_request_error",
     422: "invalid_request_error",
 }
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: int | str | None = None) -> dict:
+    """OpenAI's error body."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 class ServerError(Exception):
@@ -64,9 +68,10 @@ def _validation_param(exc: RequestValidationError) -> tuple[str | None, str]:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return None, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
-    # loc = ("body", field, ...); union members add their type names to the path.
+    # loc = ("body", field, ...); a body that is a union of models adds the member's class name first
+    # (``("body", "TokenizeChatRequest", "messages")``): the field is the first snake_case name.
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    field = loc[0] if loc else None
+    field = next((p for p in loc if not p[:1].isupper()), None)
     if field is None and first.get("type") in ("model_attributes_type", "dict_type"):
         return None, "the request body must be a JSON object"
     where = ".".join(loc) or "body"
@@ -90,7 +95,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
-        return error_response(exc.status_code, message)
+        response = error_response(exc.status_code, message)
+        response.headers.update(exc.headers or {})  # e.g. a 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -1,9 +1,11 @@
-"""Running one completion or chat completion: submit, then answer whole or as server-sent events.
+"""Running one completion or chat completion: submit every choice, then answer whole or as server-sent events.
 
-Every error that can be known before the first byte (unknown model, invalid field, prompt too long)
-is raised before the response starts, so it gets its real status code. An error after that (a
-streamed request whose adapter failed to load) is sent as a final ``data: {"error": ...}`` event.
-A client that disconnects, streamed or not, aborts its request in the engine.
+Every choice (``n`` per prompt, for each prompt of a prompt list) is its own engine request; all are
+submitted in one engine call so they are admitted together. Every error that can be known before the
+first byte (unknown model, invalid field, prompt too long) is raised before the response starts, so
+it gets its real status code. An error after that (a streamed request whose adapter failed to load)
+is sent as a final ``data: {"error": ...}`` event. A client that disconnects, streamed or not,
+aborts its requests in the engine.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from loraplex.engine.async_engine import AsyncEngine, RequestStream
 from loraplex.engine.request import RequestOutput, SamplingParams
 from loraplex.errors import LoraplexError, RequestError, UnknownAdapter
-from loraplex.server.errors import ServerError, loraplex_error_event, loraplex_error_response
+from loraplex.server.errors import ServerError, error_body, loraplex_error_event, loraplex_error_response
 from loraplex.server.metrics import ServerMetrics
-from loraplex.server.protocol import ResponseBuilder, error_body
+from loraplex.server.responses import ResponseBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +35,13 @@ class Generation:
     """One request to run: what to generate and how to answer."""
 
     builder: ResponseBuilder
-    prompt: str | list[int]
+    prompts: list[str | list[int]]  # one or more; each gets params.n choices
     params: SamplingParams
     adapter: str | None
     stream: bool
     include_usage: bool
     prompt_param: str  # the field a too-long prompt is blamed on: "prompt" or "messages"
+    user: str | None = None  # the client's end-user id, kept for metrics and tenancy
 
 
 class _Timing:
@@ -67,8 +70,11 @@ class _Timing:
 async def run_generation(engine: AsyncEngine, metrics: ServerMetrics, gen: Generation,
                          request: Request) -> Response:
     timing = _Timing()
+    choices = gen.params.choices()
+    items = [(f"{gen.builder.id}-{i * len(choices) + j}", prompt, params, gen.adapter)
+             for i, prompt in enumerate(gen.prompts) for j, params in enumerate(choices)]
     try:
-        stream = await engine.submit(gen.builder.id, gen.prompt, gen.params, gen.adapter)
+        streams = await engine.submit_many(items)
     except UnknownAdapter as exc:
         metrics.observe_request(gen.adapter, "rejected", None, None, None)
         raise ServerError(404, f"model {gen.builder.model!r} not found: it is neither the base model "
@@ -79,17 +85,18 @@ async def run_generation(engine: AsyncEngine, metrics: ServerMetrics, gen: Gener
             exc.param = gen.prompt_param
         raise
     if gen.stream:
-        events = _events(stream, gen, metrics, timing)
-        return StreamingResponse(events, media_type="text/event-stream",
+        return StreamingResponse(_events(streams, gen, metrics, timing), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    final = await _collect_unless_disconnected(stream, request, timing)
-    if final is None:  # the client left; its request is aborted
+    finals = await _collect_unless_disconnected(streams, request, timing)
+    if finals is None:  # the client left; its requests are aborted
         metrics.observe_request(gen.adapter, "abort", None, None, None)
         return Response(status_code=499)
-    metrics.observe_request(gen.adapter, final.finish_reason or "unknown", final, timing.ttft, timing.decode)
-    if final.finish_reason == "error" and final.error is not None:
-        return loraplex_error_response(final.error)
-    return JSONResponse(gen.builder.full(final))
+    for final in finals:
+        metrics.observe_request(gen.adapter, final.finish_reason or "unknown", final, timing.ttft, timing.decode)
+    failed = next((f for f in finals if f.finish_reason == "error" and f.error is not None), None)
+    if failed is not None:
+        return loraplex_error_response(failed.error)
+    return JSONResponse(gen.builder.full(finals))
 
 
 async def _collect(stream: RequestStream, timing: _Timing) -> RequestOutput:
@@ -101,10 +108,10 @@ async def _collect(stream: RequestStream, timing: _Timing) -> RequestOutput:
     return last
 
 
-async def _collect_unless_disconnected(stream: RequestStream, request: Request,
-                                       timing: _Timing) -> RequestOutput | None:
-    """The final output, or None if the client disconnected first (the request is then aborted)."""
-    collect = asyncio.ensure_future(_collect(stream, timing))
+async def _collect_unless_disconnected(streams: list[RequestStream], request: Request,
+                                       timing: _Timing) -> list[RequestOutput] | None:
+    """Every choice's final output, or None if the client disconnected first (all are then aborted)."""
+    collect = asyncio.ensure_future(asyncio.gather(*(_collect(s, timing) for s in streams)))
     watch = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait((collect, watch), return_when=asyncio.FIRST_COMPLETED)
@@ -112,7 +119,8 @@ async def _collect_unless_disconnected(stream: RequestStream, request: Request,
         watch.cancel()
         if not collect.done():
             collect.cancel()
-            stream.abort()
+            for stream in streams:
+                stream.abort()
     return collect.result() if collect.done() and not collect.cancelled() else None
 
 
@@ -125,26 +133,76 @@ def _sse(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-async def _events(stream: RequestStream, gen: Generation, metrics: ServerMetrics,
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``(choice index, output)`` from every stream, in arrival order."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((index, out))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            queue.put_nowait((index, exc))
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            index, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _events(streams: list[RequestStream], gen: Generation, metrics: ServerMetrics,
                   timing: _Timing) -> AsyncIterator[str]:
-    """OpenAI chunks, then ``data: [DONE]``. Cancellation (client gone) aborts the request."""
-    builder, status, final = gen.builder, "abort", None
+    """OpenAI chunks (each carrying one choice's new text and its tokens' logprobs), then ``data: [DONE]``.
+    Cancellation (client gone) aborts every choice."""
+    builder, status = gen.builder, "abort"
+    finals: dict[int, RequestOutput] = {}
+    latest: dict[int, RequestOutput] = {}  # per choice; choice 0 of a prompt carries its prompt logprobs
+    sent_tokens = [0] * len(streams)  # generated tokens already sent, per choice
+    sent_text = [0] * len(streams)  # characters already sent, per choice (legacy text_offset)
     try:
         if builder.chat:
-            yield _sse(builder.chunk("", first=True))
-        async for out in stream:
+            for index in range(len(streams)):
+                yield _sse(builder.role_chunk(index))
+        async for index, out in _merged(streams):
             timing.saw(out)
+            latest[index] = out
             if out.finish_reason == "error":
-                final, status = out, "error"
-                err = out.error or LoraplexError("generation failed")
-                yield _sse(loraplex_error_event(err))
+                status = "error"
+                yield _sse(loraplex_error_event(out.error or LoraplexError("generation failed")))
                 break
-            if out.delta_text or out.finished:
-                yield _sse(builder.chunk(out.delta_text, out.finish_reason if out.finished else None))
+            end = len(out.token_ids)
+            first = not builder.chat and sent_tokens[index] == 0 and sent_text[index] == 0
+            if out.delta_text or out.finished or (out.logprobs is not None and end > sent_tokens[index]) or (
+                    first and builder.echo):
+                if builder.chat:
+                    choice = builder.chat_delta(index, out, sent_tokens[index], end, out.delta_text)
+                else:
+                    scored = latest.get(index - index % builder.n, out).prompt_logprobs
+                    choice = builder.completion_choice(index, out, scored, sent_tokens[index], end, first,
+                                                       out.delta_text, sent_text[index])
+                    sent_text[index] += len(choice["text"])
+                choice["finish_reason"] = out.finish_reason if out.finished else None
+                sent_tokens[index] = end
+                yield _sse(builder.chunk(choice))
             if out.finished:
-                final, status = out, out.finish_reason or "unknown"
-                if gen.include_usage:
-                    yield _sse(builder.usage_chunk(out))
+                finals[index] = out
+        if len(finals) == len(streams):
+            status = "done"
+            for out in finals.values():
+                metrics.observe_request(gen.adapter, out.finish_reason or "unknown", out, timing.ttft, timing.decode)
+            if gen.include_usage:
+                yield _sse(builder.usage_chunk([finals[i] for i in range(len(streams))]))
         yield "data: [DONE]\n\n"
     except LoraplexError as exc:
         status = "error"
@@ -156,5 +214,7 @@ async def _events(stream: RequestStream, gen: Generation, metrics: ServerMetrics
         yield _sse(error_body("internal server error", "internal_error", None, 500))
         yield "data: [DONE]\n\n"
     finally:
-        stream.abort()
-        metrics.observe_request(gen.adapter, status, final, timing.ttft, timing.decode)
+        for stream in streams:
+            stream.abort()
+        if status != "done":
+            metrics.observe_request(gen.adapter, status, None, timing.ttft, timing.decode)

@@ -1,117 +1,214 @@
-"""OpenAI-compatible request bodies (pydantic) and the response/chunk bodies the server sends.
+"""OpenAI-compatible request bodies (pydantic) and their translation into ``SamplingParams``.
 
-Request models only check types; ranges (temperature in [0, 2], ...) are checked once, by
-``SamplingParams.validate``, so the offline API and the server reject the same values with the
-same messages. Unknown fields are ignored, as OpenAI clients send many optional ones.
+Request models check types; ranges (temperature in [0, 2], ...) are checked once, by
+``SamplingParams.validate``, so the offline API and the server reject the same values with the same
+messages; the OpenAPI schema publishes the same ranges (``json_schema_extra``, from the limits in
+``engine/sampling_params.py``). A declared field is implemented; any other field is accepted only
+with a neutral value (``strict_fields.py``), so nothing a client asks for is silently dropped.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from loraplex.engine.request import RequestOutput, SamplingParams
+from loraplex.engine.sampling_params import (
+    LOGIT_BIAS_RANGE,
+    MAX_LOGPROBS,
+    MAX_N,
+    PENALTY_RANGE,
+    SEED_RANGE,
+    TEMPERATURE_MAX,
+    SamplingParams,
+)
 from loraplex.errors import RequestError
+from loraplex.server.strict_fields import (
+    CHAT_UNIMPLEMENTED,
+    COMPLETION_UNIMPLEMENTED,
+    MESSAGE_UNIMPLEMENTED,
+    VLLM_DEFAULTS,
+    check_extra_fields,
+)
+
+
+def ranged(**bounds: float) -> Any:
+    """An optional field whose range the schema publishes and ``SamplingParams.validate`` enforces."""
+    return Field(None, json_schema_extra=bounds)
+
+
+NonEmptyText = Field(json_schema_extra={"minLength": 1})
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Undeclared fields are kept in ``model_extra`` and must be neutral for them (``unimplemented``)."""
+
+    model_config = ConfigDict(extra="allow")
+    unimplemented: ClassVar[Mapping[str, tuple[tuple[Any, ...], str]]] = {}
+    where: ClassVar[str] = ""
+
+    @model_validator(mode="after")
+    def _nothing_dropped(self) -> _Body:
+        check_extra_fields(self.model_extra or {}, self.unimplemented, self.where)
+        return self
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class _SamplingFields(_Body):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions (vLLM's extensions included)."""
 
     model: str
-    max_tokens: int | None = None  # None: up to the model's context
-    temperature: float | None = None  # None: 1.0, as OpenAI
-    top_p: float | None = None
-    top_k: int | None = None  # 0 or -1 = off
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
-    stop: str | list[str] | None = None
+    max_tokens: int | None = ranged(minimum=0)  # None: the endpoint's default
+    temperature: float | None = ranged(minimum=0, maximum=TEMPERATURE_MAX)  # None: 1.0, as OpenAI
+    top_p: float | None = ranged(exclusiveMinimum=0, maximum=1)
+    seed: int | None = ranged(minimum=SEED_RANGE[0], exclusiveMaximum=SEED_RANGE[1])
+    stop: str | list[str] | None = Field(None, json_schema_extra={"items": {"minLength": 1}, "minLength": 1})
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
-    ignore_eos: bool = False  # an extension (as in vLLM): generate max_tokens even past EOS
+    n: int | None = ranged(minimum=1, maximum=MAX_N)
+    presence_penalty: float | None = ranged(minimum=PENALTY_RANGE[0], maximum=PENALTY_RANGE[1])
+    frequency_penalty: float | None = ranged(minimum=PENALTY_RANGE[0], maximum=PENALTY_RANGE[1])
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"additionalProperties": {
+        "type": "number", "minimum": LOGIT_BIAS_RANGE[0], "maximum": LOGIT_BIAS_RANGE[1]}})
+    user: str | None = None  # accepted and kept (metrics, tenancy)
+    # vLLM extensions
+    top_k: int | None = ranged(minimum=-1)  # 0 or -1 = off
+    min_p: float | None = ranged(minimum=0, maximum=1)
+    repetition_penalty: float | None = ranged(exclusiveMinimum=0)
+    min_tokens: int | None = ranged(minimum=0)
+    ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = ranged(minimum=0, maximum=MAX_LOGPROBS)
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def _params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """Validated ``SamplingParams``; raises ``RequestError`` naming the offending field."""
-        if self.n not in (None, 1):
-            raise RequestError(f"only n=1 is supported, got n={self.n}", "n")
         params = SamplingParams(
-            max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+            max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k in (None, -1) else self.top_k,
+            min_p=self.min_p or 0.0,
             seed=self.seed,
             stop=() if self.stop is None else self.stop,
-            ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids or (),
+            ignore_eos=bool(self.ignore_eos),
+            n=1 if self.n is None else self.n,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=_token_keys(self.logit_bias or {}),
+            min_tokens=self.min_tokens or 0,
         )
         params.validate()
         return params
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+
+def _token_keys(bias: dict[str, float]) -> dict[int, float]:
+    try:
+        return {int(key): value for key, value in bias.items()}
+    except ValueError as exc:
+        raise RequestError(f"logit_bias keys must be token ids, got {list(bias)!r}", "logit_bias") from exc
+
+
+Prompt = str | list[int] | list[str] | list[list[int]]
 
 
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids."""
+    """``POST /v1/completions``: ``prompt`` is a string, token ids, or a list of either (one choice group per
+    prompt, indexed ``prompt_index * n + j``)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    unimplemented: ClassVar = {**COMPLETION_UNIMPLEMENTED, **VLLM_DEFAULTS}
+    prompt: Prompt = Field(json_schema_extra={"minLength": 1, "minItems": 1, "items": {"minLength": 1, "minItems": 1}})
+    echo: bool | None = False
+    logprobs: int | None = ranged(minimum=0, maximum=MAX_LOGPROBS)
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request (a list holding one prompt is accepted too)."""
+    def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
-            return p
-        if len(p) == 1:
-            return p[0]
-        raise RequestError(
-            f"exactly one prompt per request is supported, got a list of {len(p)} prompts", "prompt"
-        )
+            return [p]
+        if not p:
+            raise RequestError("prompt is empty", "prompt")
+        return list(p)
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """Echo with logprobs scores the prompt too (its first token's logprob is null)."""
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo and self.logprobs is not None:
+            prompt_logprobs = self.logprobs
+        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        return self._params(max_tokens, self.logprobs, prompt_logprobs)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(_Body):
+    unimplemented: ClassVar = MESSAGE_UNIMPLEMENTED
+    where: ClassVar[str] = "messages"
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
 
-    def text(self) -> str:
-        """The message's text; content parts other than text are refused."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(f"unsupported content part {part.get('type')!r}: only text", "messages")
-            parts.append(part["text"])
-        return "".join(parts)
+    def template_message(self) -> dict[str, str]:
+        """The message as the chat template sees it (text parts joined)."""
+        content = self.content
+        text = "".join(part.text for part in content) if isinstance(content, list) else content or ""
+        extra = {k: v for k in ("name", "tool_call_id") if (v := getattr(self, k)) is not None}
+        return {"role": self.role, "content": text, **extra}
 
 
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
+    unimplemented: ClassVar = {**CHAT_UNIMPLEMENTED, **VLLM_DEFAULTS}
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = ranged(minimum=0)  # wins over max_tokens
+    logprobs: bool | None = False
+    top_logprobs: int | None = ranged(minimum=0, maximum=MAX_LOGPROBS)
+    safety_identifier: str | None = None  # accepted and kept, as ``user``
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        try:
+            return self._params(default_max_tokens if limit is None else limit,
+                                (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs)
+        except RequestError as exc:  # name the chat field the client sent
+            renamed = {"logprobs": "top_logprobs",
+                       "max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else None}
+            exc.param = renamed.get(exc.param) or exc.param
+            raise
 
     def prompt_ids(self, tokenizer: Any) -> list[int]:
-        """Render the messages with the tokenizer's chat template (``add_generation_prompt=True``) and
-        tokenize the text as is: the template writes every special token itself. A model without a
-        template, or messages its template refuses (e.g. roles that do not alternate), are a 400 on
-        ``messages``."""
-        if not getattr(tokenizer, "chat_template", None):
-            raise RequestError("this model has no chat template; use /v1/completions", "messages")
-        conversation = [{"role": m.role, "content": m.text()} for m in self.messages]
-        try:
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # jinja2 TemplateError and the template's own raise_exception()
-            raise RequestError(f"the chat template refused these messages: {exc}", "messages") from exc
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return render_chat(tokenizer, [m.template_message() for m in self.messages])
+
+
+def render_chat(tokenizer: Any, conversation: list[dict[str, str]]) -> list[int]:
+    """Render messages with the tokenizer's chat template (``add_generation_prompt=True``) and tokenize the
+    text as is: the template writes every special token itself. A model without a template, or messages
+    its template refuses (e.g. roles that do not alternate), are a 400 on ``messages``."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestError("this model has no chat template; use /v1/completions", "messages")
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # jinja2 TemplateError and the template's own raise_exception()
+        raise RequestError(f"the chat template refused these messages: {exc}", "messages") from exc
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 class LoadAdapterRequest(_Body):
@@ -123,57 +220,26 @@ class UnloadAdapterRequest(_Body):
     lora_name: str = Field(min_length=1)
 
 
-def error_body(message: str, error_type: str, param: str | None = None, code: int | str | None = None) -> dict:
-    """OpenAI's error body."""
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+class TokenizeCompletionRequest(BaseModel):
+    """``POST /tokenize`` with a prompt (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+class TokenizeChatRequest(BaseModel):
+    """``POST /tokenize`` with chat messages, rendered as ``/v1/chat/completions`` renders them."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    return_token_strs: bool | None = False
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
-    p, c = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-class ResponseBuilder:
-    """Builds the JSON bodies of one completion or chat completion, whole or in chunks."""
-
-    def __init__(self, chat: bool, model: str) -> None:
-        self.chat = chat
-        self.model = model
-        self.id = new_id("chatcmpl" if chat else "cmpl")
-        self.created = int(time.time())
-
-    def _envelope(self, obj: str, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-
-    def full(self, out: RequestOutput) -> dict:
-        """The non-streamed response for a finished request."""
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                      "logprobs": None, "finish_reason": out.finish_reason}
-            body = self._envelope("chat.completion", [choice])
-        else:
-            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
-            body = self._envelope("text_completion", [choice])
-        body["usage"] = usage(out)
-        return body
-
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> dict:
-        """One streamed chunk carrying ``text`` (and the finish reason on the last one)."""
-        if self.chat:
-            delta: dict[str, str] = {"role": "assistant", "content": text} if first else {"content": text}
-            if finish_reason is not None and not text:
-                delta = {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice])
-
-    def usage_chunk(self, out: RequestOutput) -> dict:
-        """The extra last chunk sent when ``stream_options.include_usage`` is set."""
-        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        body["usage"] = usage(out)
-        return body
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    tokens: list[int]

@@ -1,0 +1,137 @@
+"""``/openapi.json`` that tells the truth: every status a route can answer, every range the server checks.
+
+FastAPI's generated schema is completed here, once per app: its 422 (which the server never sends:
+validation errors are 400) is replaced by the error statuses each route declares (and 401 on ``/v1``
+routes when an API key is set); the fields loraplex does not implement are listed with the neutral
+values it accepts (``strict_fields.py``), and so are unknown fields (``additionalProperties``); the
+limits that depend on the served model (context length, vocabulary) are filled in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from loraplex.server.schemas import ErrorResponse
+from loraplex.server.strict_fields import (
+    CHAT_UNIMPLEMENTED,
+    COMPLETION_UNIMPLEMENTED,
+    GENERIC_NEUTRAL,
+    MESSAGE_UNIMPLEMENTED,
+    VLLM_DEFAULTS,
+)
+
+STATUS_TEXT = {
+    400: "Invalid request: OpenAI's error body, `param` names the field",
+    401: "Missing or wrong API key",
+    403: "Runtime adapter loading disabled, or the path is outside the adapter roots",
+    404: "Unknown model or adapter, or no adapter at that path",
+    409: "Adapter name already loaded, or its files changed on disk",
+    503: "The engine's step loop is not running",
+}
+
+
+def documented(ok: type[BaseModel] | None, *errors: int, stream: bool = False,
+               ok_media: str = "application/json") -> dict[int | str, dict[str, Any]]:
+    """A route's ``responses=``: its 200 body and its error statuses (OpenAI's error body)."""
+    responses: dict[int | str, dict[str, Any]] = {
+        status: {"model": ErrorResponse, "description": STATUS_TEXT[status]} for status in errors}
+    content: dict[str, Any] = {}
+    if stream:
+        content["text/event-stream"] = {"schema": {"type": "string", "description": "server-sent events: "
+                                                   "`data: {chunk}` lines, then `data: [DONE]`"}}
+    if ok_media != "application/json":
+        content[ok_media] = {"schema": {"type": "string"}}
+    responses[200] = {"description": "OK", **({"model": ok} if ok else {}), **({"content": content} if content else {})}
+    return responses
+
+
+def neutral_schema(values: tuple[Any, ...], why: str) -> dict[str, Any]:
+    """The JSON schema accepting exactly ``values`` (JSON equality)."""
+    options = []
+    for v in values:
+        if v is None:
+            options.append({"type": "null"})
+        elif v == [] and isinstance(v, list):
+            options.append({"type": "array", "maxItems": 0})
+        elif v == {} and isinstance(v, dict):
+            options.append({"type": "object", "maxProperties": 0})
+        else:
+            options.append({"const": v})
+    return {"anyOf": options, "description": f"Not implemented ({why}): only these neutral values are accepted; "
+                                             "anything else is a 400 naming this field."}
+
+
+def integer_below(n: int) -> str:
+    """A regex matching the decimal integers in ``[0, n)`` without leading zeros (``n >= 1``)."""
+    top = str(n - 1)
+    parts = ["0"]
+    for length in range(1, len(top)):  # every shorter length, fully
+        parts.append("[1-9]" + "[0-9]" * (length - 1))
+    for i, digit in enumerate(top):  # same length as top: a prefix of top, one smaller digit, then anything
+        low = "1" if i == 0 else "0"
+        if int(digit) > int(low):
+            parts.append(top[:i] + f"[{low}-{int(digit) - 1}]" + "[0-9]" * (len(top) - i - 1))
+    if top != "0":
+        parts.append(top)
+    return "^(" + "|".join(sorted(set(parts), key=len)) + ")$"
+
+
+def _add_fields(schema: dict[str, Any], table: Mapping[str, tuple[tuple[Any, ...], str]]) -> None:
+    props = schema.setdefault("properties", {})
+    for name, (values, why) in table.items():
+        props.setdefault(name, neutral_schema(values, why))
+    schema["additionalProperties"] = neutral_schema(GENERIC_NEUTRAL, "unknown field")
+
+
+def install_openapi(app: FastAPI, *, vocab_size: int, max_model_len: int, auth: bool,
+                    model_examples: list[str]) -> None:
+    """Replace ``app.openapi`` with the completed schema (built on first use, then cached)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                                 description="OpenAI-compatible API over one base model and its LoRA adapters.")
+            _complete(schema, vocab_size, max_model_len, auth, model_examples)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _complete(schema: dict[str, Any], vocab: int, max_len: int, auth: bool, models: list[str]) -> None:
+    for path, operations in schema["paths"].items():
+        for operation in operations.values():
+            responses = operation["responses"]
+            responses.pop("422", None)
+            if auth and path.startswith("/v1"):
+                responses["401"] = {"description": STATUS_TEXT[401], "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+                operation["security"] = [{"bearer": []}]
+    components = schema["components"]
+    if auth:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for name in ("HTTPValidationError", "ValidationError"):
+        components["schemas"].pop(name, None)
+    schemas = components["schemas"]
+    token = {"minimum": 0, "maximum": vocab - 1}
+    _add_fields(schemas["CompletionRequest"], {**COMPLETION_UNIMPLEMENTED, **VLLM_DEFAULTS})
+    _add_fields(schemas["ChatCompletionRequest"], {**CHAT_UNIMPLEMENTED, **VLLM_DEFAULTS})
+    _add_fields(schemas["ChatMessage"], MESSAGE_UNIMPLEMENTED)
+    for model in ("CompletionRequest", "ChatCompletionRequest"):
+        props = schemas[model]["properties"]
+        props["model"]["examples"] = models
+        for field in ("max_tokens", "max_completion_tokens"):
+            if field in props:
+                props[field]["maximum"] = max_len
+        props["stop_token_ids"]["items"] = {"type": "integer", **token}
+        props["logit_bias"]["propertyNames"] = {"pattern": integer_below(vocab)}
+    prompt = schemas["CompletionRequest"]["properties"]["prompt"]
+    prompt["items"] = {**prompt["items"], **token, "items": token}
+    schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = {"type": "integer", **token}
+    for model in ("TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"):
+        schemas[model]["properties"]["model"]["examples"] = models
