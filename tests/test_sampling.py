@@ -104,7 +104,7 @@ def test_temperature_sharpens() -> None:
 @pytest.mark.parametrize(("field", "value"), [
     ("max_tokens", -1), ("temperature", -0.1), ("temperature", 2.5), ("top_p", 0.0), ("top_p", 1.2), ("top_k", -1),
     ("min_p", 1.5), ("n", 0), ("n", 129), ("logprobs", 21), ("logprobs", -1), ("prompt_logprobs", 21),
-    ("presence_penalty", 2.5), ("frequency_penalty", -2.1), ("repetition_penalty", 0.0), ("min_tokens", 17),
+    ("presence_penalty", 2.5), ("frequency_penalty", -2.1), ("repetition_penalty", 0.0), ("min_tokens", -1),
     ("logit_bias", {5: 101.0}), ("logit_bias", {-1: 1.0}), ("logit_bias", {100: 1.0}), ("stop_token_ids", [100]),
     ("temperature", float("nan")), ("max_tokens", True)])
 def test_invalid_params_name_the_field(field: str, value: object) -> None:

@@ -67,14 +67,15 @@ BAD_REQUESTS = [
     ("/v1/completions", {**COMPLETION, "logit_bias": {"5": 101}}, 400, "invalid_request_error", "logit_bias"),
     ("/v1/completions", {**COMPLETION, "logit_bias": {"49152": 1}}, 400, "invalid_request_error", "logit_bias"),
     ("/v1/completions", {**COMPLETION, "logit_bias": {"x": 1}}, 400, "invalid_request_error", "logit_bias"),
-    ("/v1/completions", {**COMPLETION, "min_tokens": 5}, 400, "invalid_request_error", "min_tokens"),
+    ("/v1/completions", {**COMPLETION, "min_tokens": -5}, 400, "invalid_request_error", "min_tokens"),
     ("/v1/completions", {**COMPLETION, "stop_token_ids": [49152]}, 400, "invalid_request_error", "stop_token_ids"),
     ("/v1/completions", {**COMPLETION, "best_of": 3}, 400, "invalid_request_error", "best_of"),
     ("/v1/completions", {**COMPLETION, "suffix": "x"}, 400, "invalid_request_error", "suffix"),
     ("/v1/completions", {**COMPLETION, "frobnicate": 1}, 400, "invalid_request_error", "frobnicate"),
     ("/v1/completions", {**COMPLETION, "include_stop_str_in_output": True}, 400, "invalid_request_error",
      "include_stop_str_in_output"),
-    ("/v1/completions", {**COMPLETION, "seed": 2**70}, 400, "invalid_request_error", "seed"),
+    ("/v1/completions", {**COMPLETION, "seed": 1.5}, 400, "invalid_request_error", "seed"),
+    ("/v1/completions", {**COMPLETION, "seed": "7"}, 400, "invalid_request_error", "seed"),
     ("/v1/completions", {**COMPLETION, "stop": [""]}, 400, "invalid_request_error", "stop"),
     ("/v1/completions", {**COMPLETION, "prompt": LONG_PROMPT}, 400, "invalid_request_error", "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": "word " * 600}, 400, "invalid_request_error", "prompt"),
@@ -124,6 +125,7 @@ BAD_REQUESTS = [
     ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "escape/../../outside"}, 403, "permission_error",
      "lora_path"),
     ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "../outside"}, 403, "permission_error", "lora_path"),
+    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "nul\x00byte"}, 404, "not_found_error", "lora_path"),
 ]
 
 
@@ -177,7 +179,8 @@ def test_still_serving_after_errors(server: Server) -> None:
 
 
 @pytest.mark.parametrize("extreme", [{"temperature": 1e-300}, {"top_p": 1e-300}, {"top_k": 10**12},
-                                     {"seed": -1}, {"seed": 2**64 - 1}, {"stop": ["x" * 10_000] * 50}])
+                                     {"seed": -1}, {"seed": 2**64 - 1}, {"seed": 2**70}, {"seed": -(2**90)},
+                                     {"stop": ["x" * 10_000] * 50}])
 def test_extreme_valid_values_are_served(server: Server, extreme: dict) -> None:
     r = httpx.post(f"{server.url}/v1/completions", timeout=30,
                    json={**COMPLETION, "max_tokens": 3, "ignore_eos": True, **extreme})

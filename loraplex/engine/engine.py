@@ -180,7 +180,7 @@ class Engine:
             param = "prompt" if len(token_ids) >= self.max_model_len else "max_tokens"
             raise RequestError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                f"maximum context length of {self.max_model_len} tokens", param)
-        generator = self._generator if params.seed is None else torch.Generator().manual_seed(params.seed)
+        generator = self._generator if params.seed is None else torch.Generator().manual_seed(params.torch_seed)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         detokenizer = IncrementalDetokenizer(tokenizer, params.stop)
         return Request(request_id, token_ids, params, adapter, adapter_id, generator, detokenizer)

@@ -2,9 +2,9 @@
 min-p draws, vectorised over the rows that use each step, with per-request seeded generators.
 
 A greedy row without processors costs nothing beyond the batch's one ``argmax``. Sampled rows are
-warped together (one set of tensor ops per warper, over the rows that use it); the draw itself is one
-``multinomial`` for all unseeded rows (the engine's generator) and one per seeded row (its own
-generator, so a seeded request's tokens do not depend on the rest of the batch).
+warped together (one set of tensor ops per warper, over the rows that use it); the draw inverts each
+row's CDF at a uniform number: one ``rand`` for all unseeded rows (the engine's generator) and one per
+seeded row (its own generator, so a seeded request's tokens do not depend on the rest of the batch).
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SampledRow], eos_token_ids: Coll
 
 def _draw(logits: torch.Tensor, rows: Sequence[SampledRow]) -> torch.Tensor:
     """One token per row of ``logits [R, vocab]`` from its warped distribution -> ``[R]`` int64."""
-    # float64, shifted by the max: any temperature > 0 (even 1e-300) sends the others to -inf, never the max
-    # to inf or NaN.
-    temperature = torch.tensor([r.params.temperature for r in rows], dtype=torch.float64)
-    x = (logits.double() - logits.max(dim=-1, keepdim=True).values) / temperature[:, None]  # [R, vocab]
+    # Shifted by the max, the temperature floored at 1e-30: any temperature > 0 (even 1e-300) sends the
+    # others to -inf, never the max to inf or NaN.
+    temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype).clamp_min(1e-30)
+    x = (logits - logits.max(dim=-1, keepdim=True).values) / temperature[:, None]  # [R, vocab]
     vocab = x.shape[-1]
     top_k = [i for i, r in enumerate(rows) if 0 < r.params.top_k < vocab]
     if top_k:
@@ -53,33 +53,46 @@ def _draw(logits: torch.Tensor, rows: Sequence[SampledRow]) -> torch.Tensor:
     probs = torch.softmax(x, dim=-1)  # [R, vocab]
     top_p = [i for i, r in enumerate(rows) if r.params.top_p < 1.0]
     if top_p:
-        probs[top_p] = _nucleus(probs[top_p], torch.tensor([rows[i].params.top_p for i in top_p],
-                                                            dtype=torch.float64))
+        probs[top_p] = _nucleus(probs[top_p], torch.tensor([rows[i].params.top_p for i in top_p]))
     min_p = [i for i, r in enumerate(rows) if r.params.min_p > 0.0]
     if min_p:
-        floor = torch.tensor([rows[i].params.min_p for i in min_p], dtype=torch.float64)[:, None]
+        floor = torch.tensor([rows[i].params.min_p for i in min_p], dtype=probs.dtype)[:, None]
         sub = probs[min_p]
         probs[min_p] = sub.masked_fill(sub < floor * sub.max(dim=-1, keepdim=True).values, 0.0)
-    return _multinomial(probs, rows)
+    return _inverse_cdf(probs, rows)
+
+
+_NUCLEUS_CANDIDATES = 1024  # the nucleus is searched among the top candidates when their mass reaches top_p
 
 
 def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep each row's smallest most-likely set reaching mass ``top_p [R]``: ``probs [R, vocab]`` -> same."""
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    drop = mass_before >= top_p[:, None]
-    drop[:, 0] = False  # the most likely token always stays (a top_p below float32's range is 0)
-    return torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
+    """Keep each row's smallest most-likely set reaching mass ``top_p [R]``: ``probs [R, vocab]`` -> same.
+    Rows whose top candidates already reach ``top_p`` sort only those (a full sort costs ~50x more)."""
+    out = torch.zeros_like(probs)
+    values, order = torch.topk(probs, min(_NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1)  # descending
+    narrow = values.sum(dim=-1) >= top_p
+    for rows in (narrow.nonzero()[:, 0], (~narrow).nonzero()[:, 0]):
+        if rows.numel() == 0:
+            continue
+        if bool(narrow[rows[0]]):
+            vals, idx = values[rows], order[rows]
+        else:
+            vals, idx = torch.sort(probs[rows], dim=-1, descending=True)
+        drop = torch.cumsum(vals, dim=-1) - vals >= top_p[rows, None]
+        drop[:, 0] = False  # the most likely token always stays (a top_p below float32's range is 0)
+        out[rows] = torch.zeros_like(probs[rows]).scatter_(1, idx, vals.masked_fill(drop, 0.0))
+    return out
 
 
-def _multinomial(probs: torch.Tensor, rows: Sequence[SampledRow]) -> torch.Tensor:
-    """One draw per row (rows need not be normalised): one call for the rows sharing a generator, one
-    per row with its own."""
-    out = torch.empty(len(rows), dtype=torch.int64)
+def _inverse_cdf(probs: torch.Tensor, rows: Sequence[SampledRow]) -> torch.Tensor:
+    """One draw per row of ``probs [R, vocab]`` (rows need not be normalised) by inverting its CDF at a
+    uniform draw: one ``rand`` call for the rows sharing a generator, one per row with its own."""
+    u = torch.empty(len(rows), dtype=torch.float64)
     by_generator: dict[int, list[int]] = {}
     for i, r in enumerate(rows):
         by_generator.setdefault(id(r.generator), []).append(i)
     for members in by_generator.values():
-        generator = rows[members[0]].generator
-        out[members] = torch.multinomial(probs[members], 1, generator=generator)[:, 0]
-    return out
+        u[members] = torch.rand(len(members), dtype=torch.float64, generator=rows[members[0]].generator)
+    cdf = torch.cumsum(probs, dim=-1)  # [R, vocab]
+    target = (1.0 - u) * cdf[:, -1]  # in (0, total]: a zero-probability token is never hit
+    return torch.searchsorted(cdf, target[:, None]).clamp_max_(probs.shape[-1] - 1)[:, 0]

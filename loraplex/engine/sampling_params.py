@@ -19,7 +19,7 @@ MAX_N = 128  # choices per prompt (OpenAI's limit)
 TEMPERATURE_MAX = 2.0
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty (OpenAI)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI
-SEED_RANGE = (-(2**63), 2**64)  # [lo, hi): what torch.Generator.manual_seed takes
+TORCH_SEEDS = (-(2**63), 2**64)  # [lo, hi): what torch.Generator.manual_seed takes
 
 
 def _number(value: object) -> bool:
@@ -36,6 +36,8 @@ class SamplingParams:
 
     - ``temperature == 0`` (or ``top_k == 1``) is greedy; ``top_k == 0`` is off; ``min_p == 0`` is off.
     - ``max_tokens == 0`` computes the prompt only (score it with ``prompt_logprobs``).
+    - ``seed``: any integer (outside [-2**63, 2**64) it is reduced modulo 2**64); None draws from the
+      engine's generator.
     - ``n``: choices per prompt. ``LLM.generate`` and the server run each choice as its own engine
       request (``choices()``); the engine itself runs one choice per request.
     - ``logprobs``: per generated token, its log-probability and the ``logprobs`` most likely
@@ -47,7 +49,7 @@ class SamplingParams:
     - ``repetition_penalty``: HF's, over prompt and generated tokens: a seen token's logit is divided
       by it when positive, multiplied when negative (1 = off).
     - ``logit_bias``: token id -> value added to its logit. ``min_tokens``: EOS and ``stop_token_ids``
-      are masked until that many tokens were generated.
+      are masked until that many tokens were generated (beyond ``max_tokens`` it changes nothing more).
     """
 
     max_tokens: int = 16
@@ -81,6 +83,14 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
+    def torch_seed(self) -> int | None:
+        """The seed for ``torch.Generator.manual_seed``: any integer seed is accepted; one outside torch's
+        range [-2**63, 2**64) is reduced modulo 2**64."""
+        if self.seed is None or TORCH_SEEDS[0] <= self.seed < TORCH_SEEDS[1]:
+            return self.seed
+        return self.seed % 2**64
+
+    @property
     def has_penalties(self) -> bool:
         """Whether any logits processor (penalty, bias, min_tokens) applies to this request."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
@@ -110,8 +120,8 @@ class SamplingParams:
             raise RequestError(f"top_k must be 0 (off) or a positive integer, got {self.top_k!r}", "top_k")
         if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
-        if self.seed is not None and (not _integer(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
-            raise RequestError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}", "seed")
+        if self.seed is not None and not _integer(self.seed):
+            raise RequestError(f"seed must be an integer or null, got {self.seed!r}", "seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError("stop must be non-empty strings", "stop")
         if not _integer(self.n) or not 1 <= self.n <= MAX_N:
@@ -127,9 +137,8 @@ class SamplingParams:
         if not _number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise RequestError(f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}",
                                "repetition_penalty")
-        if not _integer(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise RequestError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got "
-                               f"{self.min_tokens!r}", "min_tokens")
+        if not _integer(self.min_tokens) or self.min_tokens < 0:
+            raise RequestError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}", "min_tokens")
         self._validate_token_ids(vocab_size)
 
     def _validate_token_ids(self, vocab_size: int | None) -> None:
@@ -149,6 +158,6 @@ class SamplingParams:
 
 
 def _derived_seed(seed: int, choice: int) -> int:
-    """A seed in [0, 2**64) for choice ``choice`` of a request seeded with ``seed``."""
+    """A seed in [0, 2**63) for choice ``choice`` of a request seeded with ``seed``."""
     digest = hashlib.sha256(f"loraplex-choice:{seed}:{choice}".encode()).digest()
-    return int.from_bytes(digest[:8], "little")
+    return int.from_bytes(digest[:8], "little") >> 1

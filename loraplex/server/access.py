@@ -59,6 +59,8 @@ class AdapterPathPolicy:
     def check(self, path: str) -> Path:
         """The resolved folder to load; raises ``ServerError(403)`` when policy forbids it."""
         self.check_enabled()
+        if "\x00" in path:  # no folder can have that name
+            raise ServerError(404, "no adapter folder at a path with a NUL character", "lora_path")
         resolved = Path(path).expanduser().resolve()
         if self.roots and not any(resolved.is_relative_to(root) for root in self.roots):
             raise ServerError(

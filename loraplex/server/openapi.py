@@ -42,8 +42,10 @@ def documented(ok: type[BaseModel] | None, *errors: int, stream: bool = False,
         status: {"model": ErrorResponse, "description": STATUS_TEXT[status]} for status in errors}
     content: dict[str, Any] = {}
     if stream:
-        content["text/event-stream"] = {"schema": {"type": "string", "description": "server-sent events: "
-                                                   "`data: {chunk}` lines, then `data: [DONE]`"}}
+        content["text/event-stream"] = {"schema": {  # one event (OpenAPI 3.1: the schema describes each event)
+            "type": "object", "required": ["data"], "properties": {"data": {"type": "string", "description": (
+                "a JSON chunk (the response's object with `.chunk` choices and `delta`s), an error body, or the "
+                "final `[DONE]`")}, "event": {"type": "string"}}}}
     if ok_media != "application/json":
         content[ok_media] = {"schema": {"type": "string"}}
     responses[200] = {"description": "OK", **({"model": ok} if ok else {}), **({"content": content} if content else {})}
@@ -122,14 +124,21 @@ def _complete(schema: dict[str, Any], vocab: int, max_len: int, auth: bool, mode
     _add_fields(schemas["CompletionRequest"], {**COMPLETION_UNIMPLEMENTED, **VLLM_DEFAULTS})
     _add_fields(schemas["ChatCompletionRequest"], {**CHAT_UNIMPLEMENTED, **VLLM_DEFAULTS})
     _add_fields(schemas["ChatMessage"], MESSAGE_UNIMPLEMENTED)
+    for model in ("StreamOptions", "LoadAdapterRequest", "UnloadAdapterRequest"):
+        _add_fields(schemas[model], {})
     for model in ("CompletionRequest", "ChatCompletionRequest"):
         props = schemas[model]["properties"]
         props["model"]["examples"] = models
         for field in ("max_tokens", "max_completion_tokens"):
             if field in props:
-                props[field]["maximum"] = max_len
+                props[field]["description"] = (f"The prompt's tokens plus this must fit the context ({max_len} "
+                                               "tokens), else 400.")
         props["stop_token_ids"]["items"] = {"type": "integer", **token}
         props["logit_bias"]["propertyNames"] = {"pattern": integer_below(vocab)}
+    # top_logprobs > 0 needs logprobs: true (a 400 on top_logprobs otherwise)
+    schemas["ChatCompletionRequest"]["if"] = {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+                                              "required": ["top_logprobs"]}
+    schemas["ChatCompletionRequest"]["then"] = {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
     prompt = schemas["CompletionRequest"]["properties"]["prompt"]
     prompt["items"] = {**prompt["items"], **token, "items": token}
     schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = {"type": "integer", **token}

@@ -10,16 +10,15 @@ with a neutral value (``strict_fields.py``), so nothing a client asks for is sil
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from loraplex.engine.sampling_params import (
     LOGIT_BIAS_RANGE,
     MAX_LOGPROBS,
     MAX_N,
     PENALTY_RANGE,
-    SEED_RANGE,
     TEMPERATURE_MAX,
     SamplingParams,
 )
@@ -33,6 +32,14 @@ from loraplex.server.strict_fields import (
 )
 
 
+def _integral(value: Any) -> Any:
+    """JSON Schema's integers include 12.0: accept an integral float as that int (nothing else is coerced)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]  # a JSON integer: no strings, no booleans, no 1.5
+
+
 def ranged(**bounds: float) -> Any:
     """An optional field whose range the schema publishes and ``SamplingParams.validate`` enforces."""
     return Field(None, json_schema_extra=bounds)
@@ -44,7 +51,7 @@ NonEmptyText = Field(json_schema_extra={"minLength": 1})
 class _Body(BaseModel):
     """Undeclared fields are kept in ``model_extra`` and must be neutral for them (``unimplemented``)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # JSON types as the schema states them: "1" is no int
     unimplemented: ClassVar[Mapping[str, tuple[tuple[Any, ...], str]]] = {}
     where: ClassVar[str] = ""
 
@@ -62,27 +69,27 @@ class _SamplingFields(_Body):
     """Fields shared by completions and chat completions (vLLM's extensions included)."""
 
     model: str
-    max_tokens: int | None = ranged(minimum=0)  # None: the endpoint's default
+    max_tokens: Int | None = ranged(minimum=0)  # None: the endpoint's default
     temperature: float | None = ranged(minimum=0, maximum=TEMPERATURE_MAX)  # None: 1.0, as OpenAI
     top_p: float | None = ranged(exclusiveMinimum=0, maximum=1)
-    seed: int | None = ranged(minimum=SEED_RANGE[0], exclusiveMaximum=SEED_RANGE[1])
+    seed: Int | None = None  # any integer (see SamplingParams.torch_seed)
     stop: str | list[str] | None = Field(None, json_schema_extra={"items": {"minLength": 1}, "minLength": 1})
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = ranged(minimum=1, maximum=MAX_N)
+    n: Int | None = ranged(minimum=1, maximum=MAX_N)
     presence_penalty: float | None = ranged(minimum=PENALTY_RANGE[0], maximum=PENALTY_RANGE[1])
     frequency_penalty: float | None = ranged(minimum=PENALTY_RANGE[0], maximum=PENALTY_RANGE[1])
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"additionalProperties": {
         "type": "number", "minimum": LOGIT_BIAS_RANGE[0], "maximum": LOGIT_BIAS_RANGE[1]}})
     user: str | None = None  # accepted and kept (metrics, tenancy)
     # vLLM extensions
-    top_k: int | None = ranged(minimum=-1)  # 0 or -1 = off
+    top_k: Int | None = ranged(minimum=-1)  # 0 or -1 = off
     min_p: float | None = ranged(minimum=0, maximum=1)
     repetition_penalty: float | None = ranged(exclusiveMinimum=0)
-    min_tokens: int | None = ranged(minimum=0)
+    min_tokens: Int | None = ranged(minimum=0)
     ignore_eos: bool | None = False
-    stop_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = ranged(minimum=0, maximum=MAX_LOGPROBS)
+    stop_token_ids: list[Int] | None = None
+    prompt_logprobs: Int | None = ranged(minimum=0, maximum=MAX_LOGPROBS)
 
     def _params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """Validated ``SamplingParams``; raises ``RequestError`` naming the offending field."""
@@ -120,7 +127,7 @@ def _token_keys(bias: dict[str, float]) -> dict[int, float]:
         raise RequestError(f"logit_bias keys must be token ids, got {list(bias)!r}", "logit_bias") from exc
 
 
-Prompt = str | list[int] | list[str] | list[list[int]]
+Prompt = str | list[Int] | list[str] | list[list[Int]]
 
 
 class CompletionRequest(_SamplingFields):
@@ -130,7 +137,7 @@ class CompletionRequest(_SamplingFields):
     unimplemented: ClassVar = {**COMPLETION_UNIMPLEMENTED, **VLLM_DEFAULTS}
     prompt: Prompt = Field(json_schema_extra={"minLength": 1, "minItems": 1, "items": {"minLength": 1, "minItems": 1}})
     echo: bool | None = False
-    logprobs: int | None = ranged(minimum=0, maximum=MAX_LOGPROBS)
+    logprobs: Int | None = ranged(minimum=0, maximum=MAX_LOGPROBS)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -150,7 +157,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
@@ -176,15 +183,17 @@ class ChatCompletionRequest(_SamplingFields):
 
     unimplemented: ClassVar = {**CHAT_UNIMPLEMENTED, **VLLM_DEFAULTS}
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = ranged(minimum=0)  # wins over max_tokens
+    max_completion_tokens: Int | None = ranged(minimum=0)  # wins over max_tokens
     logprobs: bool | None = False
-    top_logprobs: int | None = ranged(minimum=0, maximum=MAX_LOGPROBS)
+    top_logprobs: Int | None = ranged(minimum=0, maximum=MAX_LOGPROBS)
     safety_identifier: str | None = None  # accepted and kept, as ``user``
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.max_tokens is not None and limit is not self.max_tokens:  # overridden, still checked
+            SamplingParams(max_tokens=self.max_tokens).validate()
         try:
             return self._params(default_max_tokens if limit is None else limit,
                                 (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs)
@@ -223,7 +232,7 @@ class UnloadAdapterRequest(_Body):
 class TokenizeCompletionRequest(BaseModel):
     """``POST /tokenize`` with a prompt (vLLM's shape)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str
     prompt: str
     add_special_tokens: bool = True
@@ -233,13 +242,13 @@ class TokenizeCompletionRequest(BaseModel):
 class TokenizeChatRequest(BaseModel):
     """``POST /tokenize`` with chat messages, rendered as ``/v1/chat/completions`` renders them."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     return_token_strs: bool | None = False
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str
-    tokens: list[int]
+    tokens: list[Int]

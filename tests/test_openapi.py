@@ -1,0 +1,65 @@
+"""``/openapi.json`` tells the truth: a bounded ``schemathesis run --checks all`` against a running server
+(tiny model, adapters, runtime loading and an API key on) finds no undocumented status, no response that
+breaks its schema and no schema/validation mismatch; the schema's statuses and ranges are the server's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loraplex.config import EngineConfig
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.engine import Engine
+from loraplex.engine.sampling_params import MAX_LOGPROBS, MAX_N, TEMPERATURE_MAX
+from loraplex.server.app import create_app
+from tests.fixtures import write_tiny_model
+from tests.server_harness import BASE, running_server
+
+MAX_LEN = 64  # a short context keeps every generated request small
+KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory, tiny_llama_adapters: dict[str, Path]) -> Iterator[str]:
+    model = write_tiny_model(tmp_path_factory.mktemp("short"), "llama", max_position_embeddings=MAX_LEN)
+    engine = Engine(EngineConfig(model=str(model), max_num_seqs=32, kv_cache_blocks=96, max_lora_rank=16))
+    engine.load_adapter("r4_attn", tiny_llama_adapters["r4_attn"])
+    root = tmp_path_factory.mktemp("root")
+    app = create_app(AsyncEngine(engine), served_model_name=BASE, allow_runtime_adapters=True, adapter_roots=[root],
+                     api_key=KEY)
+    with running_server(app) as base:
+        yield base
+
+
+def test_schema_documents_statuses_and_ranges(url: str) -> None:
+    schema = httpx.get(f"{url}/openapi.json").json()
+    statuses = {path: {m: set(op["responses"]) for m, op in ops.items()} for path, ops in schema["paths"].items()}
+    assert statuses["/v1/completions"]["post"] == {"200", "400", "401", "404", "409"}
+    assert statuses["/v1/load_lora_adapter"]["post"] == {"200", "400", "401", "403", "404", "409"}
+    assert statuses["/tokenize"]["post"] == {"200", "400", "404"}  # outside /v1: no key needed, as vLLM
+    assert not any("422" in codes for ops in statuses.values() for codes in ops.values())
+    props = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert (props["temperature"]["minimum"], props["temperature"]["maximum"]) == (0, TEMPERATURE_MAX)
+    assert (props["n"]["maximum"], props["logprobs"]["maximum"]) == (MAX_N, MAX_LOGPROBS)
+    assert props["prompt"]["items"]["maximum"] == 49151
+    assert "best_of" in props and "tools" in schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+
+
+def test_schemathesis_finds_no_mismatch(url: str) -> None:
+    """Bounded: a fixed seed and a few examples per operation (about 20 s here)."""
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks", "LORAPLEX_TEST_MAX_MODEL_LEN": str(MAX_LEN),
+           "PYTHONPATH": str(Path(__file__).parent.parent)}
+    cli = Path(sys.executable).parent / "schemathesis"
+    result = subprocess.run(
+        [str(cli), "run", f"{url}/openapi.json", "--checks", "all", "--max-examples", "8", "--seed", "1",
+         "--workers", "1", "--request-timeout", "30", "--max-response-time", "30", "-H", f"Authorization: Bearer {KEY}",
+         "--output-sanitize", "false"],
+        capture_output=True, text=True, env=env, timeout=240)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "failure" not in result.stdout.split("SUMMARY")[-1]
