@@ -190,3 +190,17 @@ def test_stream_chunks_are_valid_json_until_done(server: Server) -> None:
     assert chunks[-1]["usage"]["completion_tokens"] == sum(
         len(c["choices"][0]["logprobs"]["content"]) for c in chunks if c["choices"] and c["choices"][0]["logprobs"])
     assert {c["choices"][0]["index"] for c in chunks if c["choices"]} == {0, 1}
+
+
+def test_streamed_echo_leads_with_the_prompt(server: Server) -> None:
+    chunks = list(server.client().completions.create(model="r8_all", prompt="Echo me", echo=True, logprobs=0,
+                                                     max_tokens=3, temperature=0, stream=True,
+                                                     extra_body={"ignore_eos": True}))
+    first = chunks[0].choices[0]
+    assert first.text.startswith("Echo me") and first.logprobs.token_logprobs[0] is None
+    whole = server.client().completions.create(model="r8_all", prompt="Echo me", echo=True, logprobs=0, max_tokens=3,
+                                               temperature=0, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs
+                for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed[1:] == pytest.approx(whole.choices[0].logprobs.token_logprobs[1:], abs=1e-6)
