@@ -51,7 +51,7 @@ def test_schema_documents_statuses_and_ranges(url: str) -> None:
     assert "best_of" in props and "tools" in schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
 
 
-def test_schemathesis_finds_no_mismatch(url: str) -> None:
+def test_schemathesis_finds_no_mismatch(url: str, tmp_path: Path) -> None:
     """Bounded: a fixed seed and a few examples per operation (about 20 s here)."""
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks", "LORAPLEX_TEST_MAX_MODEL_LEN": str(MAX_LEN),
            "PYTHONPATH": str(Path(__file__).parent.parent)}
@@ -60,6 +60,6 @@ def test_schemathesis_finds_no_mismatch(url: str) -> None:
         [str(cli), "run", f"{url}/openapi.json", "--checks", "all", "--max-examples", "8", "--seed", "1",
          "--workers", "1", "--request-timeout", "30", "--max-response-time", "30", "-H", f"Authorization: Bearer {KEY}",
          "--output-sanitize", "false", "--generation-database", "none"],
-        capture_output=True, text=True, env=env, timeout=240)
+        capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)  # its cache stays out of the repo
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "failure" not in result.stdout.split("SUMMARY")[-1]
