@@ -1,41 +1,53 @@
 """Schemathesis hooks for ``test_openapi.py``: positive cases skip bodies that break a cross-field rule JSON
 Schema cannot state (each documented in the field's description and in docs/server.md, each answered with a
 400 naming the field, tested in ``test_server_errors.py``): the prompt plus ``max_tokens`` must fit the
-context, and ``top_logprobs`` needs ``logprobs: true``."""
+context, and ``top_logprobs`` needs ``logprobs: true``. Prompts are counted exactly, with the served model's
+tokenizer and the server's own chat rendering (``LORAPLEX_TEST_MODEL``, ``LORAPLEX_TEST_MAX_MODEL_LEN``)."""
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import Any
 
 import schemathesis
+from transformers import AutoTokenizer
+
+from loraplex.errors import RequestError
+from loraplex.server.protocol import ChatMessage, render_chat
 
 MAX_MODEL_LEN = int(os.environ.get("LORAPLEX_TEST_MAX_MODEL_LEN", "64"))
-CHAT_OVERHEAD = 40  # the template's default system prompt; tokens per message are counted below
 
 
-def _bytes(text: object) -> int:
-    return len(text.encode("utf-8", "surrogatepass")) if isinstance(text, str) else 0
+@functools.cache
+def _tokenizer() -> Any:
+    return AutoTokenizer.from_pretrained(os.environ["LORAPLEX_TEST_MODEL"])
 
 
-def _prompt_tokens(body: dict) -> int:
-    """An upper bound of the prompt's tokens: byte-level BPE never makes more tokens than bytes."""
+def _prompt_tokens(body: dict) -> int | None:
+    """The prompt's tokens as the server counts them (the longest prompt of a list); None when the prompt
+    is invalid anyway (the server answers 400 whatever the limit)."""
     if "messages" in body:
-        total = CHAT_OVERHEAD
-        for m in body["messages"] if isinstance(body["messages"], list) else []:
-            content = m.get("content") if isinstance(m, dict) else None
-            parts = content if isinstance(content, list) else [{"text": content}]
-            total += 8 + _bytes(m.get("role")) + _bytes(m.get("name")) + sum(
-                _bytes(p.get("text")) for p in parts if isinstance(p, dict))
-        return total
+        try:
+            messages = [ChatMessage.model_validate(m).template_message() for m in body["messages"]]
+            return len(render_chat(_tokenizer(), messages))
+        except (ValueError, TypeError, RequestError):  # pydantic's ValidationError is a ValueError
+            return None
     prompt = body.get("prompt")
-    prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
-    return max((len(p) if isinstance(p, list) else _bytes(p) for p in prompts), default=0)
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not isinstance(prompt, list):
+        return None
+    counts = [len(p) if isinstance(p, list) else len(_tokenizer().encode(p, add_special_tokens=False))
+              for p in prompt if isinstance(p, (list, str))]
+    return max(counts, default=None)
 
 
 @schemathesis.hook
 def filter_body(ctx: schemathesis.HookContext, body: object) -> bool:
-    if not isinstance(body, dict) or "model" not in body:
-        return True
+    operation = ctx.operation.path if ctx.operation is not None else ""
+    if not operation.endswith("completions") or not isinstance(body, dict):
+        return True  # only generation has cross-field rules
     limit = body.get("max_completion_tokens")
     limit = body.get("max_tokens") if limit is None else limit
     limit = (16 if "prompt" in body else 1) if limit is None else limit
@@ -44,4 +56,5 @@ def filter_body(ctx: schemathesis.HookContext, body: object) -> bool:
         return True  # a type error: schema-invalid anyway
     if body.get("top_logprobs") and body.get("logprobs") is not True:
         return False
-    return _prompt_tokens(body) + limit <= MAX_MODEL_LEN
+    tokens = _prompt_tokens(body)
+    return tokens is None or tokens + limit <= MAX_MODEL_LEN

@@ -24,11 +24,11 @@ from loraplex.adapters.manager import AdapterManager
 from loraplex.config import EngineConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.kv_cache import BlockAllocator, KVCache
-from loraplex.engine.logprobs import token_logprobs
+from loraplex.engine.logprobs import add_prompt_logprobs, needs_prompt_rows, token_logprobs
 from loraplex.engine.request import Request, RequestOutput, SamplingParams
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.engine.sampling import sample
-from loraplex.engine.scheduler import ScheduledRequest, Scheduler
+from loraplex.engine.scheduler import Scheduler
 from loraplex.errors import LoraplexError, RequestError
 from loraplex.layers.lora_linear import use_lora_kernels
 from loraplex.models.embedded import resolve_model
@@ -129,6 +129,10 @@ class Engine:
         the base model's. ``UnknownAdapter`` if no such adapter is loaded."""
         return self._version(self.adapters.resolve(adapter) if adapter is not None else None)[0]
 
+    def vocab_size_for(self, adapter: str | None) -> int:
+        """The vocabulary of ``adapter``'s live version (wider than the base's when it adds tokens)."""
+        return self._version(self.adapters.resolve(adapter) if adapter is not None else None)[1]
+
     def _version(self, adapter_id: int | None) -> tuple[PreTrainedTokenizerBase | None, int]:
         """(tokenizer, vocabulary size) that a request for ``adapter_id`` (None: the base) uses."""
         info = self.adapters.info(adapter_id) if adapter_id is not None else None
@@ -209,7 +213,8 @@ class Engine:
         if not batch:
             return outputs
         entries = [StepEntry(tuple(s.request.all_token_ids[s.start:s.start + s.num_tokens]), s.start,
-                             tuple(s.request.block_table), _needs_prompt_rows(s)) for s in batch]
+                             tuple(s.request.block_table), needs_prompt_rows(s.request, s.start, s.num_tokens))
+                   for s in batch]
         mapping = BatchMapping.from_sequences([(s.request.adapter_id, s.num_tokens) for s in batch])
         lora = self.adapters.lora_batch(mapping)
         if self.config.debug_checks:
@@ -218,7 +223,7 @@ class Engine:
             logits = self.runner.execute(entries, lora)  # [R, vocab]
             ends = list(itertools.accumulate(e.num_logits for e in entries))  # logits row after each entry's
             for i in (i for i, e in enumerate(entries) if e.all_logits):
-                _add_prompt_logprobs(batch[i], logits[ends[i] - entries[i].num_logits : ends[i]])
+                add_prompt_logprobs(batch[i].request, batch[i].start, logits[ends[i] - entries[i].num_logits : ends[i]])
             tokens = self._sample(logits, [ends[i] - 1 for i, s in enumerate(batch) if s.draws],
                                   [s.request for s in batch if s.draws])
         for request in self.scheduler.update(batch, tokens):
@@ -291,21 +296,3 @@ class Engine:
             logprobs=None if request.logprobs is None else list(request.logprobs),
             prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs))
 
-
-def _needs_prompt_rows(s: ScheduledRequest) -> bool:
-    """Whether this step computes prompt positions whose logprobs the request asked for and lacks."""
-    done = s.request.prompt_logprobs
-    return done is not None and max(s.start, len(done) - 1) < min(s.start + s.num_tokens,
-                                                                   len(s.request.prompt_token_ids) - 1)
-
-
-def _add_prompt_logprobs(s: ScheduledRequest, logits: torch.Tensor) -> None:
-    """Append the logprobs of the prompt tokens that ``logits [num_tokens, vocab]`` (row j: position
-    ``s.start + j``, which predicts the token at ``s.start + j + 1``) score and the request still lacks;
-    a recomputed (preempted) prompt is not scored twice."""
-    request = s.request
-    prompt, done = request.prompt_token_ids, request.prompt_logprobs
-    first, end = max(s.start, len(done) - 1), min(s.start + s.num_tokens, len(prompt) - 1)  # positions q
-    targets = prompt[first + 1 : end + 1]
-    done += token_logprobs(logits[first - s.start : end - s.start], targets,
-                           [request.params.prompt_logprobs] * len(targets))

@@ -8,9 +8,12 @@ sampler. A ``TokenLogprob`` is a plain tuple of ints and floats (picklable, JSON
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from loraplex.engine.request import Request
 
 
 class TokenLogprob(NamedTuple):
@@ -40,3 +43,21 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top_ks: Seque
         for i, (token, logprob, rank, k) in enumerate(zip(token_ids, chosen[:, 0].tolist(), ranks, top_ks,
                                                           strict=True))
     ]
+
+
+def needs_prompt_rows(request: Request, start: int, num_tokens: int) -> bool:
+    """Whether a step computing positions ``[start, start + num_tokens)`` of ``request`` computes prompt
+    positions whose logprobs it asked for and lacks."""
+    done = request.prompt_logprobs
+    return done is not None and max(start, len(done) - 1) < min(start + num_tokens, len(request.prompt_token_ids) - 1)
+
+
+def add_prompt_logprobs(request: Request, start: int, logits: torch.Tensor) -> None:
+    """Append the logprobs of the prompt tokens that ``logits [num_tokens, vocab]`` (row j: position
+    ``start + j``, which predicts the token at ``start + j + 1``) score and ``request`` still lacks; a
+    recomputed (preempted) prompt is not scored twice."""
+    prompt, done = request.prompt_token_ids, request.prompt_logprobs
+    first, end = max(start, len(done) - 1), min(start + logits.shape[0], len(prompt) - 1)  # positions q
+    targets = prompt[first + 1 : end + 1]
+    k = request.params.prompt_logprobs
+    done += token_logprobs(logits[first - start : end - start], targets, [k] * len(targets))

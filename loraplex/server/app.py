@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -30,7 +31,7 @@ from loraplex.server.access import AdapterPathPolicy, BearerAuthMiddleware
 from loraplex.server.errors import ServerError, install_error_handlers
 from loraplex.server.generation import Generation, run_generation
 from loraplex.server.metrics import CONTENT_TYPE, ServerMetrics
-from loraplex.server.openapi import documented, install_openapi
+from loraplex.server.openapi import documented, install_openapi, reset_openapi
 from loraplex.server.playground import mount_playground
 from loraplex.server.protocol import (
     ChatCompletionRequest,
@@ -96,9 +97,15 @@ def create_app(
 
     app = FastAPI(title="loraplex", lifespan=lifespan)
     install_error_handlers(app)
-    install_openapi(app, vocab_size=core.model_config.vocab_size, max_model_len=core.max_model_len,
-                    auth=bool(api_key), model_examples=[base_name, *(a.name for a in core.list_adapters())])
-    tokens = TokenTexts(core.tokenizer)
+
+    def served_models() -> tuple[list[str], int]:
+        """The names a request may use now, and the widest vocabulary among them (adapters may add tokens)."""
+        infos = core.list_adapters()
+        return [base_name, *(a.name for a in infos)], max([core.model_config.vocab_size,
+                                                            *(a.vocab_size or 0 for a in infos)])
+
+    install_openapi(app, max_model_len=core.max_model_len, auth=bool(api_key), served=served_models)
+    token_texts: weakref.WeakKeyDictionary[Any, TokenTexts] = weakref.WeakKeyDictionary()  # per tokenizer
     if api_key:
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
     app.state.async_engine = async_engine
@@ -109,16 +116,28 @@ def create_app(
         return None if model in base_aliases else model
 
     def tokenizer_for(model: str) -> Any:
-        """The tokenizer serving ``model`` (404 on ``model`` if it is neither the base nor an adapter)."""
-        adapter = adapter_for(model)
+        """The tokenizer serving ``model``: the adapter's own if it ships one, else the base's (404 on
+        ``model`` if it is neither the base nor an adapter; 400 if the model has no tokenizer)."""
         try:
-            if adapter is not None:
-                core.adapters.resolve(adapter)
+            tokenizer = core.tokenizer_for(adapter_for(model))
         except UnknownAdapter as exc:
             raise ServerError(404, f"model {model!r} not found (see GET /v1/models)", "model") from exc
-        if core.tokenizer is None:
+        if tokenizer is None:
             raise RequestError(f"model {model!r} has no tokenizer", "model")
-        return core.tokenizer
+        return tokenizer
+
+    def texts_for(model: str) -> TokenTexts:
+        """The token strings of ``model``'s tokenizer (cached per tokenizer), for logprobs; ``.tokenizer`` is
+        None for an unknown model (``run_generation`` answers it with 404) or one without a tokenizer."""
+        try:
+            tokenizer = core.tokenizer_for(adapter_for(model))
+        except UnknownAdapter:
+            tokenizer = None
+        if tokenizer is None:
+            return TokenTexts(None)
+        if tokenizer not in token_texts:
+            token_texts[tokenizer] = TokenTexts(tokenizer)
+        return token_texts[tokenizer]
 
     def model_card(model_id: str, root: str, parent: str | None, created: int) -> dict:
         return {"id": model_id, "object": "model", "created": created, "owned_by": "loraplex",
@@ -151,9 +170,10 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         prompts = body.prompts()
         params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
+        texts = texts_for(body.model)
         echoed = [p if isinstance(p, str) else tokenizer_for(body.model).decode(p) for p in prompts if body.echo]
         gen = Generation(
-            builder=ResponseBuilder(chat=False, model=body.model, tokens=tokens, n=params.n, echo=bool(body.echo),
+            builder=ResponseBuilder(chat=False, model=body.model, tokens=texts, n=params.n, echo=bool(body.echo),
                                     prompt_texts=echoed, show_prompt_logprobs=body.prompt_logprobs is not None),
             prompts=prompts,
             params=params,
@@ -168,20 +188,16 @@ def create_app(
     @app.post("/v1/chat/completions", response_model=None,
               responses=documented(ChatCompletionResponse, 400, 404, 409, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        adapter = adapter_for(body.model)
-        try:  # the adapter's own tokenizer and chat template, if its folder ships them
-            tokenizer = core.tokenizer_for(adapter)
-        except UnknownAdapter:  # run_generation answers 404 on "model", as for completions
-            tokenizer = core.tokenizer
-        prompt_ids = body.prompt_ids(tokenizer)
+        texts = texts_for(body.model)  # the adapter's own tokenizer and chat template, if it ships them
+        prompt_ids = body.prompt_ids(texts.tokenizer if texts.tokenizer is not None else core.tokenizer)
         room = max(core.max_model_len - len(prompt_ids), 1)  # default max_tokens: the rest of the context
         params = body.sampling_params(room)
         gen = Generation(
-            builder=ResponseBuilder(chat=True, model=body.model, tokens=tokens, n=params.n,
+            builder=ResponseBuilder(chat=True, model=body.model, tokens=texts, n=params.n,
                                     show_prompt_logprobs=body.prompt_logprobs is not None),
             prompts=[prompt_ids],
             params=params,
-            adapter=adapter,
+            adapter=adapter_for(body.model),
             stream=bool(body.stream),
             include_usage=body.include_usage,
             prompt_param="messages",
@@ -203,13 +219,13 @@ def create_app(
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=documented(DetokenizeResponse, 400, 404))
     async def detokenize(body: DetokenizeRequest) -> dict:
         tokenizer = tokenizer_for(body.model)
-        vocab = core.model_config.vocab_size
+        vocab = core.vocab_size_for(adapter_for(body.model))  # wider for an adapter that adds tokens
         if any(not 0 <= t < vocab for t in body.tokens):
             raise RequestError(f"tokens must be token ids in [0, {vocab})", "tokens")
         return {"prompt": tokenizer.decode(body.tokens)}
 
     @app.post("/v1/load_lora_adapter", response_model=AdapterLoaded,
-              responses=documented(AdapterLoaded, 400, 403, 404, 409))
+              responses=documented(AdapterLoaded, 400, 403, 404, 409, 507))
     async def load_lora_adapter(body: LoadAdapterRequest) -> dict:
         path = policy.check(body.lora_path)
         if body.lora_name in base_aliases:
@@ -221,6 +237,7 @@ def create_app(
             raise
         metrics.runtime_loads.labels("ok").inc()
         loaded_at[body.lora_name] = int(time.time())
+        reset_openapi(app)  # its name and vocabulary join the schema
         logger.info("loaded adapter %r from %s", body.lora_name, path)
         return {"status": "ok", "message": f"adapter {body.lora_name!r} loaded", **adapter_card(info)}
 
@@ -229,6 +246,7 @@ def create_app(
     async def unload_lora_adapter(body: UnloadAdapterRequest) -> dict:
         policy.check_enabled()
         await async_engine.unload_adapter(body.lora_name)
+        reset_openapi(app)
         logger.info("unloaded adapter %r", body.lora_name)
         return {"status": "ok", "message": f"adapter {body.lora_name!r} unloaded", "id": body.lora_name}
 

@@ -9,7 +9,7 @@ limits that depend on the served model (context length, vocabulary) are filled i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI
@@ -31,6 +31,7 @@ STATUS_TEXT = {
     403: "Runtime adapter loading disabled, or the path is outside the adapter roots",
     404: "Unknown model or adapter, or no adapter at that path",
     409: "Adapter name already loaded, or its files changed on disk",
+    507: "The adapter's saved embed_tokens/lm_head rows would pass the saved-rows memory budget",
     503: "The engine's step loop is not running",
 }
 
@@ -90,19 +91,27 @@ def _add_fields(schema: dict[str, Any], table: Mapping[str, tuple[tuple[Any, ...
     schema["additionalProperties"] = neutral_schema(GENERIC_NEUTRAL, "unknown field")
 
 
-def install_openapi(app: FastAPI, *, vocab_size: int, max_model_len: int, auth: bool,
-                    model_examples: list[str]) -> None:
-    """Replace ``app.openapi`` with the completed schema (built on first use, then cached)."""
+def install_openapi(app: FastAPI, *, max_model_len: int, auth: bool,
+                    served: Callable[[], tuple[list[str], int]]) -> None:
+    """Replace ``app.openapi`` with the completed schema, built on first use and cached until
+    ``reset_openapi``. ``served()`` gives the model names a request may use now and the widest
+    vocabulary among them (an adapter may add tokens)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
                                  description="OpenAI-compatible API over one base model and its LoRA adapters.")
-            _complete(schema, vocab_size, max_model_len, auth, model_examples)
+            models, vocab = served()
+            _complete(schema, vocab, max_model_len, auth, models)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def reset_openapi(app: FastAPI) -> None:
+    """Rebuild the schema on its next request (the served adapters changed)."""
+    app.openapi_schema = None
 
 
 def _complete(schema: dict[str, Any], vocab: int, max_len: int, auth: bool, models: list[str]) -> None:
@@ -120,7 +129,8 @@ def _complete(schema: dict[str, Any], vocab: int, max_len: int, auth: bool, mode
     for name in ("HTTPValidationError", "ValidationError"):
         components["schemas"].pop(name, None)
     schemas = components["schemas"]
-    token = {"minimum": 0, "maximum": vocab - 1}
+    token = {"minimum": 0, "maximum": vocab - 1, "description": "A token id below the vocabulary of the model "
+             "named (an adapter that adds tokens has a wider one; this bound is the widest served now), else 400."}
     _add_fields(schemas["CompletionRequest"], {**COMPLETION_UNIMPLEMENTED, **VLLM_DEFAULTS})
     _add_fields(schemas["ChatCompletionRequest"], {**CHAT_UNIMPLEMENTED, **VLLM_DEFAULTS})
     _add_fields(schemas["ChatMessage"], MESSAGE_UNIMPLEMENTED)

@@ -25,17 +25,17 @@ class TokenTexts:
     otherwise the UTF-8 of its text."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
+        self.tokenizer = tokenizer
         self._texts: dict[int, str] = {}
         self._byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
 
     def text(self, token_id: int) -> str:
         if token_id not in self._texts:
-            self._texts[token_id] = self._tokenizer.decode([token_id]) if self._tokenizer else f"token_id:{token_id}"
+            self._texts[token_id] = self.tokenizer.decode([token_id]) if self.tokenizer else f"token_id:{token_id}"
         return self._texts[token_id]
 
     def bytes(self, token_id: int) -> list[int]:
-        piece = self._tokenizer.convert_ids_to_tokens(token_id) if self._tokenizer else None
+        piece = self.tokenizer.convert_ids_to_tokens(token_id) if self.tokenizer else None
         if isinstance(piece, str) and piece and all(c in self._byte_of for c in piece):
             return [self._byte_of[c] for c in piece]
         return list(self.text(token_id).encode("utf-8"))
