@@ -13,11 +13,16 @@ import httpx
 import openai.types.chat.completion_create_params as chat_params
 import openai.types.completion_create_params as completion_params
 import pytest
+import torch
+from transformers import AutoTokenizer
 
 from loraplex import LLM, SamplingParams
 from loraplex.server.protocol import ChatCompletionRequest, CompletionRequest
 from loraplex.server.strict_fields import CHAT_UNIMPLEMENTED, COMPLETION_UNIMPLEMENTED, GENERIC_NEUTRAL
+from tests.format_fixtures import ADDED_TOKENS, write_added_tokens_adapter
+from tests.reference import hf_greedy
 from tests.server_harness import BASE, Server, tiny_server
+from tests.test_formats_reference import peft_model
 from tests.test_logprobs import hf_logprobs
 
 CONFIG = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=16)
@@ -204,3 +209,37 @@ def test_streamed_echo_leads_with_the_prompt(server: Server) -> None:
     streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs
                 for lp in c.choices[0].logprobs.token_logprobs]
     assert streamed[1:] == pytest.approx(whole.choices[0].logprobs.token_logprobs[1:], abs=1e-6)
+
+
+def test_adapter_with_added_tokens_uses_its_tokenizer(server: Server, tiny_llama: Path, tmp_path: Path) -> None:
+    """An adapter that adds tokens (its own tokenizer, a resized vocabulary): /tokenize, /detokenize, echo and
+    logprob token strings use its tokenizer and vocabulary; the echoed prompt's and the generated tokens'
+    logprobs equal PEFT on the resized base."""
+    text = f"Call {ADDED_TOKENS[0]} then"
+    folder = write_added_tokens_adapter(tiny_llama, tmp_path / "added", "saved", server.engine.tokenize(text))
+    server.engine.load_adapter("added", folder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        ids, vocab = tokenizer.encode(text, add_special_tokens=False), len(tokenizer)
+        assert max(ids) >= server.engine.model_config.vocab_size
+        r = httpx.post(f"{server.url}/tokenize", json={"model": "added", "prompt": text, "add_special_tokens": False,
+                                                       "return_token_strs": True}).json()
+        assert r["tokens"] == ids and ADDED_TOKENS[0] in r["token_strs"]
+        assert httpx.post(f"{server.url}/detokenize", json={"model": "added", "tokens": ids}).json() == {"prompt": text}
+        refused = httpx.post(f"{server.url}/detokenize", json={"model": BASE, "tokens": ids})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens"
+        out = server.client().completions.create(model="added", prompt=text, echo=True, logprobs=2, max_tokens=3,
+                                                 temperature=0, extra_body={"ignore_eos": True})
+        reference = peft_model(tiny_llama, folder, vocab)
+        generated = hf_greedy(reference, ids, 3)[0]
+        everything = ids + generated
+        with torch.inference_mode():
+            ref = torch.log_softmax(reference(torch.tensor([everything])).logits[0].float(), -1)
+        lp = out.choices[0].logprobs
+        assert lp.tokens == [tokenizer.decode([t]) for t in everything] and ADDED_TOKENS[0] in lp.tokens
+        assert lp.token_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx([float(ref[i - 1, t]) for i, t in enumerate(everything)][1:],
+                                                      abs=1e-4)
+        assert out.choices[0].text == tokenizer.decode(everything)
+    finally:
+        server.engine.unload_adapter("added")
