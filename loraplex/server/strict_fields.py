@@ -23,6 +23,7 @@ TOOLS_LATER = "structured outputs and tool calls are not implemented yet (issue 
 COMPLETION_UNIMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((None, 1), "best_of (server-side ranking of extra choices) is not implemented; use n"),
     "suffix": ((None, ""), "suffix (insertion) is not implemented"),
+    "response_format": ((None, {"type": "text"}), TOOLS_LATER),  # vLLM's extension on completions
 }
 CHAT_UNIMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "response_format": ((None, {"type": "text"}), TOOLS_LATER),
@@ -55,6 +56,8 @@ VLLM_DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
     "add_generation_prompt": ((None, True), "the chat template always gets add_generation_prompt=True"),
     "continue_final_message": ((None, False), "not implemented"),
     "echo": ((None, False), "chat echo is not implemented"),  # on chat only: completions implement it
+    **{name: ((None,), TOOLS_LATER) for name in (
+        "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")},
 }
 # Message fields beside role/content: passed to the chat template, or neutral only.
 MESSAGE_PASSED = ("name", "tool_call_id")
