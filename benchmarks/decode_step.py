@@ -22,7 +22,7 @@ import time
 import torch
 
 from benchmarks.common import matmul_floors
-from loraplex.engine.kv_cache import BlockAllocator, KVCache
+from loraplex.engine.kv_cache import BlockManager, KVCache
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.models.embedded import embedded_checkpoint
 from loraplex.models.loader import load_model
@@ -44,8 +44,8 @@ def main() -> None:
     kv = KVCache(cfg, args.batch * blocks_per_seq, block_size, torch.float32, "cpu")
     for t in kv.kv:
         t.normal_()  # timing only: the cache content does not matter
-    allocator = BlockAllocator(kv.num_blocks)
-    tables = [tuple(allocator.allocate(blocks_per_seq)) for _ in range(args.batch)]
+    allocator = BlockManager(kv.num_blocks, block_size, enable_caching=False)
+    tables = [tuple(allocator.allocate(blocks_per_seq, None)) for _ in range(args.batch)]
     starts = torch.randint(args.context - 10, args.context + 10, (args.batch,)).tolist()
     tokens = torch.randint(0, cfg.vocab_size, (args.batch,)).tolist()
     entries = [StepEntry((tok,), s, t) for tok, s, t in zip(tokens, starts, tables, strict=True)]

@@ -43,6 +43,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--quantization", default=None, choices=EngineConfig.QUANTIZATIONS,
                    help="store the base weights as weight-only int8 (LoRA stays float)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="recompute every prompt instead of reusing cached K/V of a shared prefix")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the kernels (default: torch's, one per core; fewer on a busy host)")
     p.add_argument("--log-level", default="INFO", type=str.upper,
@@ -85,7 +87,8 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                             max_cpu_loras=cpu_loras, max_lora_rank=args.max_lora_rank,
                             max_num_seqs=args.max_num_seqs, kv_cache_blocks=args.kv_cache_blocks,
                             num_threads=args.threads, quantization=args.quantization,
-                            saved_rows_budget_bytes=args.saved_rows_budget_mib << 20)
+                            saved_rows_budget_bytes=args.saved_rows_budget_mib << 20,
+                            enable_prefix_caching=not args.no_prefix_caching)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
@@ -117,8 +120,9 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     stats = engine.stats()
     cfg = engine.config
     logger.info("model %s (%s) dtype %s on %s", engine.model_name, engine.model_path, engine.dtype, engine.device)
-    logger.info("%d adapter slots, %d in host memory, max rank %d; KV cache %d blocks x %d tokens",
-                cfg.max_loras, cfg.max_cpu_loras, cfg.max_lora_rank, stats.kv_blocks_total, cfg.block_size)
+    logger.info("%d adapter slots, %d in host memory, max rank %d; KV cache %d blocks x %d tokens, prefix "
+                "caching %s", cfg.max_loras, cfg.max_cpu_loras, cfg.max_lora_rank, stats.kv_blocks_total,
+                cfg.block_size, "on" if cfg.enable_prefix_caching else "off")
     logger.info("adapters: %s", ", ".join(f"{i.name}={i.path}" for i in engine.list_adapters()) or "none")
     logger.info("runtime adapter loading %s%s; auth %s", "on" if args.allow_runtime_adapters else "off",
                 f" (roots: {', '.join(args.adapter_root)})" if args.adapter_root else "",

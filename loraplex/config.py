@@ -237,7 +237,10 @@ class EngineConfig:
     # Waiting requests may skip ahead of one whose adapter cannot be placed, for at most this many
     # steps; then admission turns strictly first-come-first-served until it is placed (no starvation).
     max_skip_steps: int = 64
-    # Check invariant 1 (each token's slot holds the adapter its request asked for) every step.
+    # Reuse the K/V of cached full blocks of a prompt's prefix computed under the same adapter version.
+    enable_prefix_caching: bool = True
+    # Check invariant 1 (each token's slot holds the adapter its request asked for) and that every KV
+    # block a request reads was written under its adapter version, every step.
     debug_checks: bool = False
     # CPU threads for torch's kernels (torch.set_num_threads, process-wide); None keeps torch's default
     # (one per core). On a shared host, fewer threads than busy cores avoids OpenMP oversubscription.

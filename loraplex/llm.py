@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from loraplex.adapters.info import AdapterInfo
 from loraplex.config import EngineConfig
-from loraplex.engine.engine import Engine
+from loraplex.engine.engine import Engine, EngineStats
 from loraplex.engine.request import RequestOutput, SamplingParams
 
 
@@ -43,6 +43,10 @@ class LLM:
 
     def list_adapters(self) -> list[AdapterInfo]:
         return self.engine.list_adapters()
+
+    def stats(self) -> EngineStats:
+        """The engine's counters: queue, slots, KV blocks, adapter tiers, prefix-cache hits."""
+        return self.engine.stats()
 
     def generate(
         self,

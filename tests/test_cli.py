@@ -44,6 +44,14 @@ def test_quantization_flag_reaches_the_engine_config() -> None:
     assert engine_config(parser.parse_args(["generate", "hi"]), parser).quantization is None
 
 
+def test_prefix_caching_is_on_unless_turned_off() -> None:
+    parser = build_parser()
+    assert engine_config(parser.parse_args(["serve"]), parser).enable_prefix_caching is True
+    for command in ("serve", "generate x", "serve-ray"):
+        args = parser.parse_args([*command.split(), "--no-prefix-caching"])
+        assert engine_config(args, parser).enable_prefix_caching is False
+
+
 @pytest.mark.parametrize("argv", [
     ["serve", "--adapter", "no-equals-sign"],
     ["serve", "--adapter", "=path"],

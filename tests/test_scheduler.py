@@ -7,7 +7,7 @@ import random
 
 from loraplex.adapters.slots import SlotTable
 from loraplex.config import EngineConfig
-from loraplex.engine.kv_cache import BlockAllocator
+from loraplex.engine.kv_cache import BlockManager
 from loraplex.engine.request import Request, SamplingParams
 from loraplex.engine.scheduler import Scheduler
 
@@ -29,7 +29,7 @@ def make(max_loras: int, max_num_seqs: int, max_skip_steps: int = 64, blocks: in
     config = EngineConfig(max_loras=max_loras, max_cpu_loras=max(max_loras, 64), max_num_seqs=max_num_seqs,
                           max_skip_steps=max_skip_steps)
     slots = Slots(max_loras)
-    return Scheduler(config, BlockAllocator(blocks), slots), slots
+    return Scheduler(config, BlockManager(blocks), slots), slots
 
 
 def request(i: int, adapter: int | None, max_tokens: int = 8, prompt: int = 5) -> Request:
@@ -123,7 +123,7 @@ def test_update_finishes_at_each_stop_condition() -> None:
     """``update`` owns progress: stop ids and EOS stop (EOS not with ignore_eos), then max_tokens and the
     context length end with "length"; finished requests hand back their blocks and pins."""
     config = EngineConfig(max_loras=1, max_cpu_loras=1, max_num_seqs=8)
-    allocator = BlockAllocator(64)
+    allocator = BlockManager(64)
     slots = Slots(1)
     scheduler = Scheduler(config, allocator, slots, eos_token_ids=(2,), max_model_len=9)
     prompt = [5, 6, 7, 8]

@@ -82,8 +82,9 @@ class AdapterManager:
         logger.info("loaded adapter %r (id %d, rank %d) from %s", name, info.adapter_id, info.max_rank, path)
         return info
 
-    def unload(self, name: str) -> None:
-        """Retire ``name``: new resolves fail; pinned slots stay intact until their last release."""
+    def unload(self, name: str) -> AdapterInfo:
+        """Retire ``name`` (returns the retired version): new resolves fail; pinned slots stay intact until
+        their last release."""
         with self._lock:
             info = self._names.pop(name, None)
             if info is None:
@@ -93,6 +94,7 @@ class AdapterManager:
             if self.slot_table.pins(info.adapter_id) == 0:
                 self._drop(info.adapter_id)
         logger.info("unloaded adapter %r (id %d)", name, info.adapter_id)
+        return info
 
     def resolve(self, name: str) -> int:
         with self._lock:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +23,12 @@ from loraplex.adapters.info import AdapterInfo
 from loraplex.adapters.manager import AdapterManager
 from loraplex.config import EngineConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
-from loraplex.engine.kv_cache import BlockAllocator, KVCache
+from loraplex.engine.kv_cache import BlockManager, KVCache, PrefixCounts
 from loraplex.engine.logprobs import add_prompt_logprobs, needs_prompt_rows, token_logprobs
 from loraplex.engine.request import Request, RequestOutput, SamplingParams
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.engine.sampling import sample
-from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.scheduler import ScheduledRequest, Scheduler
 from loraplex.errors import LoraplexError, RequestError
 from loraplex.layers.lora_linear import use_lora_kernels
 from loraplex.models.embedded import resolve_model
@@ -56,6 +56,20 @@ class EngineStats:
     num_preemptions: int
     saved_rows_bytes: int = 0  # adapters' saved vocabulary rows held now
     saved_rows_budget_bytes: int = 0
+    # Prefix cache: tokens of admitted requests looked up and found cached, blocks holding reusable K/V,
+    # cached blocks evicted to make room; lookups per loaded adapter name (None = the base model).
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_blocks: int = 0
+    prefix_cache_evictions: int = 0
+    prefix_cache_by_adapter: Mapping[str | None, PrefixCounts] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Retire:
+    """Inbox item: an adapter version was unloaded; its cached blocks are evicted first."""
+
+    adapter_id: int
 
 
 def _pick_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -87,16 +101,19 @@ class Engine:
         block_bytes = KVCache.bytes_per_block(self.model_config, config.block_size, self.dtype)
         num_blocks = config.kv_cache_blocks or max(1, config.kv_cache_bytes // block_bytes)
         self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
-        self.allocator = BlockAllocator(num_blocks)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
         self.adapters = AdapterManager(self.model_config, config.max_loras, config.max_cpu_loras,
                                        config.max_lora_rank, writer=self.model,
                                        allow_pickle=config.allow_pickle_adapters,
                                        saved_rows_budget=config.saved_rows_budget_bytes, base_tokenizer=self.tokenizer)
         self.max_model_len = min(self.model_config.max_position_embeddings, num_blocks * config.block_size)
+        # A block's K/V depends on its tokens, the prefix before them (its key's chain), the model and the
+        # adapter version (in the key). Dynamic-NTK rope would add the sequence's length, but only past
+        # max_position_embeddings, which max_model_len never exceeds.
+        self.allocator = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.allocator, self.adapters, self.model_config.eos_token_ids,
                                    self.max_model_len)
-        self._inbox: queue.SimpleQueue[list[Request] | str] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[list[Request] | str | _Retire] = queue.SimpleQueue()
         self._requests: dict[str, Request] = {}
         self._generator = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
@@ -113,7 +130,9 @@ class Engine:
         return self.adapters.load(name, str(path))
 
     def unload_adapter(self, name: str) -> None:
-        self.adapters.unload(name)
+        """Retire ``name``'s version (running requests finish with it); reloading the name makes a new one."""
+        info = self.adapters.unload(name)
+        self._inbox.put(_Retire(info.adapter_id))
 
     def list_adapters(self) -> list[AdapterInfo]:
         return self.adapters.list()
@@ -203,7 +222,19 @@ class Engine:
             kv_blocks_free=self.allocator.num_free, kv_blocks_total=self.allocator.num_total,
             loads=c["loads"], device_evictions=c["device_evictions"], host_evictions=c["host_evictions"],
             device_hits=c["device_hits"], host_hits=c["host_hits"], num_preemptions=self.scheduler.num_preemptions,
-            saved_rows_bytes=self.adapters.budget.used, saved_rows_budget_bytes=self.config.saved_rows_budget_bytes)
+            saved_rows_bytes=self.adapters.budget.used, saved_rows_budget_bytes=self.config.saved_rows_budget_bytes,
+            **self._prefix_cache_stats())
+
+    def _prefix_cache_stats(self) -> dict:
+        blocks = self.allocator
+        names: dict[int | None, str | None] = {None: None}
+        names.update((info.adapter_id, info.name) for info in self.adapters.list())
+        by_version = blocks.counts_by_version()
+        return dict(prefix_cache_queried_tokens=blocks.totals.queried_tokens,
+                    prefix_cache_hit_tokens=blocks.totals.hit_tokens, prefix_cache_blocks=blocks.num_cached,
+                    prefix_cache_evictions=blocks.evictions,
+                    prefix_cache_by_adapter={names[v]: c for v, c in by_version.items() if v in names})
+
 
     # ---- the step loop (one thread) ----
     def step(self) -> list[RequestOutput]:
@@ -216,16 +247,22 @@ class Engine:
                              tuple(s.request.block_table), needs_prompt_rows(s.request, s.start, s.num_tokens))
                    for s in batch]
         mapping = BatchMapping.from_sequences([(s.request.adapter_id, s.num_tokens) for s in batch])
-        lora = self.adapters.lora_batch(mapping)
-        if self.config.debug_checks:
-            self._check_right_weights(mapping, lora)
-        with torch.inference_mode():
-            logits = self.runner.execute(entries, lora)  # [R, vocab]
-            ends = list(itertools.accumulate(e.num_logits for e in entries))  # logits row after each entry's
-            for i in (i for i, e in enumerate(entries) if e.all_logits):
-                add_prompt_logprobs(batch[i].request, batch[i].start, logits[ends[i] - entries[i].num_logits : ends[i]])
-            tokens = self._sample(logits, [ends[i] - 1 for i, s in enumerate(batch) if s.draws],
-                                  [s.request for s in batch if s.draws])
+        try:
+            lora = self.adapters.lora_batch(mapping)
+            if self.config.debug_checks:
+                self._check_right_weights(mapping, lora)
+                self._check_right_kv(batch)
+            with torch.inference_mode():
+                logits = self.runner.execute(entries, lora)  # [R, vocab]
+                ends = list(itertools.accumulate(e.num_logits for e in entries))  # logits row after each entry's
+                for i in (i for i, e in enumerate(entries) if e.all_logits):
+                    add_prompt_logprobs(batch[i].request, batch[i].start,
+                                        logits[ends[i] - entries[i].num_logits : ends[i]])
+                tokens = self._sample(logits, [ends[i] - 1 for i, s in enumerate(batch) if s.draws],
+                                      [s.request for s in batch if s.draws])
+        except BaseException:
+            self.scheduler.undo(batch)  # nothing of this step may be reused or counted
+            raise
         for request in self.scheduler.update(batch, tokens):
             if request.finished:
                 self._requests.pop(request.request_id, None)
@@ -255,6 +292,8 @@ class Engine:
                 for request in item:
                     self._requests[request.request_id] = request
                     self.scheduler.add(request)
+            elif isinstance(item, _Retire):
+                self.allocator.retire(item.adapter_id)
             elif (request := self._requests.get(item)) is not None:
                 outputs.append(self._finish(request, "abort"))
         return outputs
@@ -277,6 +316,12 @@ class Engine:
             held = None if slot < 0 else self.adapters.slot_owner(slot)
             if held != wanted:
                 raise AssertionError(f"token {t} asked for adapter {wanted} but reads slot {slot} holding {held}")
+
+    def _check_right_kv(self, batch: list[ScheduledRequest]) -> None:
+        """Invariant 6 for the prefix cache: every block a request reads was written under its adapter
+        version and, if keyed, sits at its own place in the request's chain."""
+        for s in batch:
+            self.allocator.check_sequence(s.request.block_table, s.request.block_keys, s.request.adapter_id)
 
     def _finish(self, request: Request, reason: str, error: LoraplexError | None = None) -> RequestOutput:
         """End a request outside the step's own bookkeeping (abort, broken adapter)."""

@@ -65,6 +65,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
     block_table: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks (block_hash)
     pinned: bool = False  # holds a pin on its adapter's slot
     finish_reason: str | None = None
     error: LoraplexError | None = None

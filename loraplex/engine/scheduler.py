@@ -15,8 +15,13 @@ Policy, once per step:
    the moment a slot drains, so the pinned slots empty and the blocked request is placed next, while
    the batch stays as full as that allows (all requests of the placed adapters join together).
 Prefill and decode share a step; a prompt longer than the remaining budget is prefilled in chunks.
-After the step, ``update`` owns every request's progress: computed tokens advance, sampled tokens are
-appended, and a request that hits a stop condition finishes (its blocks and pin are returned).
+Prefix caching (the block manager's index): an admitted request starts with the longest prefix of its
+full blocks that is cached under its adapter version (never its last token, which must be computed to
+sample), and computes only the rest. Every block a step fills is keyed as the step is scheduled, so a
+request admitted later in the same step (a sibling with the same prompt) already shares it.
+After the step, ``update`` owns every request's progress: the step's keys are committed, computed tokens
+advance, sampled tokens are appended, and a request that hits a stop condition finishes (its blocks and
+pin are returned; keyed blocks stay cached). ``undo`` reverts a step whose forward pass failed.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from dataclasses import dataclass
 
 from loraplex.adapters.manager import AdapterManager
 from loraplex.config import EngineConfig
-from loraplex.engine.kv_cache import BlockAllocator
+from loraplex.engine.block_hash import extend_chain
+from loraplex.engine.kv_cache import BlockManager
 from loraplex.engine.request import Request, RequestStatus
 
 
@@ -53,8 +59,10 @@ class Scheduler:
     """``adapters`` needs only ``try_acquire(id) -> slot | None`` and ``release(id)``; a request stops at
     any of ``eos_token_ids`` (unless it ignores EOS) and at ``max_model_len`` tokens."""
 
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator, adapters: AdapterManager,
+    def __init__(self, config: EngineConfig, allocator: BlockManager, adapters: AdapterManager,
                  eos_token_ids: Sequence[int] = (), max_model_len: int | None = None) -> None:
+        if allocator.block_size != config.block_size:
+            raise ValueError(f"block manager block_size {allocator.block_size} != config {config.block_size}")
         self.config = config
         self.allocator = allocator
         self.adapters = adapters
@@ -85,6 +93,7 @@ class Scheduler:
                 continue
             if not self._grow(request, n, scheduled):
                 continue
+            self._key_filled_blocks(request, request.num_computed_tokens, n)
             scheduled.append(ScheduledRequest(request, request.num_computed_tokens, n))
             budget -= n
         if self.num_preemptions == preemptions_before:  # admitting now would only thrash the cache
@@ -98,9 +107,13 @@ class Scheduler:
         for request in list(self.waiting):
             if len(self.running) >= self.config.max_num_seqs or budget <= 0:
                 break
-            n = min(request.num_tokens, budget)
-            blocks = self._blocks_for(n)
-            if not self.allocator.can_allocate(blocks):
+            # Reuse the cached full blocks of the request's prefix, except the block of its last token.
+            eligible = self._chain(request)[: (request.num_tokens - 1) // self.config.block_size]
+            prefix = self.allocator.match(eligible, request.adapter_id, request.num_tokens)
+            start = prefix.hit_tokens
+            n = min(request.num_tokens - start, budget)
+            blocks = self._blocks_for(start + n) - len(prefix.blocks)
+            if not self.allocator.can_allocate(blocks, prefix):
                 break  # the cache is full for everyone behind it too
             if blocked and not self._rides_along(request):
                 continue
@@ -110,11 +123,13 @@ class Scheduler:
                     blocked = blocked or strict
                     continue
                 request.pinned = True
-            request.block_table = self.allocator.allocate(blocks)
+            request.block_table = self.allocator.allocate(blocks, request.adapter_id, prefix)
+            request.num_computed_tokens = start
+            self._key_filled_blocks(request, start, n)
             request.status = RequestStatus.RUNNING
             self.waiting.remove(request)
             self.running.append(request)
-            admitted.append(ScheduledRequest(request, 0, n))
+            admitted.append(ScheduledRequest(request, start, n))
             budget -= n
         return admitted
 
@@ -126,6 +141,19 @@ class Scheduler:
         horizon = max((r.params.max_tokens - len(r.output_token_ids) for r in self.running
                        if r.adapter_id == request.adapter_id), default=None)
         return horizon is not None and request.params.max_tokens - len(request.output_token_ids) <= horizon
+
+    def _chain(self, request: Request) -> list[bytes]:
+        """The keys of the request's full blocks (its prompt and outputs), computed once each; empty when
+        prefix caching is off."""
+        if self.allocator.caching and len(request.block_keys) < request.num_tokens // self.config.block_size:
+            extend_chain(request.block_keys, request.all_token_ids, request.adapter_id, self.config.block_size)
+        return request.block_keys
+
+    def _key_filled_blocks(self, request: Request, start: int, n: int) -> None:
+        """Key the blocks that computing tokens ``[start, start + n)`` this step fills."""
+        first, end = start // self.config.block_size, (start + n) // self.config.block_size
+        if self.allocator.caching and end > first:
+            self.allocator.cache(request.block_table[first:end], self._chain(request)[first:end])
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
@@ -142,7 +170,7 @@ class Scheduler:
                 return False
             self.preempt(victims[0])
         if need > 0:
-            request.block_table += self.allocator.allocate(need)
+            request.block_table += self.allocator.allocate(need, request.adapter_id)
         return True
 
     def update(self, scheduled: Sequence[ScheduledRequest], tokens: Sequence[int]) -> list[Request]:
@@ -153,6 +181,7 @@ class Scheduler:
         if len(tokens) != sum(s.draws for s in scheduled):
             raise ValueError(f"{len(tokens)} tokens for {sum(s.draws for s in scheduled)} requests that draw one")
         complete = [(s.request, s.draws) for s in scheduled if s.samples]  # before tokens are appended
+        self.allocator.commit()  # the step's K/V are written: its blocks' keys hold from now on
         for s in scheduled:
             s.request.num_computed_tokens += s.num_tokens
         drawn = iter(tokens)
@@ -166,6 +195,14 @@ class Scheduler:
             if reason is not None:
                 self.finish(request, reason)
         return [request for request, _ in complete]
+
+    def undo(self, scheduled: Sequence[ScheduledRequest]) -> None:
+        """The step of ``scheduled`` failed before ``update``: its K/V may be partly written, so the cache
+        keys it entered are forgotten and its requests are recomputed (preempted)."""
+        self.allocator.rollback()
+        for s in scheduled:
+            if s.request.status is RequestStatus.RUNNING:
+                self.preempt(s.request)
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         """"stop" for a stop string (seen by the request's detokenizer), a stop token id or EOS; "length" at
@@ -181,8 +218,9 @@ class Scheduler:
         return None
 
     def preempt(self, request: Request) -> None:
-        """Return ``request``'s KV blocks; it goes back to the front of the queue to be recomputed. It keeps
-        its adapter pin, so the version it started with stays in its slot (even if unloaded meanwhile)."""
+        """Return ``request``'s KV blocks (keyed ones stay cached, so it may find them again); it goes back to
+        the front of the queue to be recomputed. It keeps its adapter pin, so the version it started with
+        stays in its slot (even if unloaded meanwhile)."""
         self.allocator.free(request.block_table)
         request.block_table = []
         self.running.remove(request)

@@ -1,7 +1,8 @@
 """Prometheus metrics, one ``CollectorRegistry`` per app (several apps can live in one process).
 
 Request-level series are recorded by the HTTP layer as requests finish; step latency by the step
-thread; engine state (queue length, running requests, slots, KV blocks, adapter counters) is read
+thread; engine state (queue length, running requests, slots, KV blocks, adapter and prefix-cache
+counters) is read
 from ``engine.stats()`` at scrape time, so it is never stale.
 """
 
@@ -28,6 +29,7 @@ _STAT_GAUGES = {
     "max_loras": ("loraplex_adapter_slots_total", "Device adapter slots (max_loras)."),
     "kv_blocks_free": ("loraplex_kv_blocks_free", "Free KV-cache blocks."),
     "kv_blocks_total": ("loraplex_kv_blocks_total", "KV-cache blocks."),
+    "prefix_cache_blocks": ("loraplex_prefix_cache_blocks", "KV blocks holding reusable (keyed) prefix K/V."),
 }
 _STAT_COUNTERS = {
     "loads": ("loraplex_adapter_loads", "Adapter loads from disk into host memory."),
@@ -35,6 +37,16 @@ _STAT_COUNTERS = {
     "host_evictions": ("loraplex_adapter_host_evictions", "Adapters evicted from host memory."),
     "device_hits": ("loraplex_adapter_device_hits", "Acquisitions served by an adapter already in a slot."),
     "host_hits": ("loraplex_adapter_host_hits", "Acquisitions served from host memory."),
+    "prefix_cache_queried_tokens": ("loraplex_prefix_cache_queried_tokens",
+                                    "Tokens of admitted requests looked up in the prefix cache."),
+    "prefix_cache_hit_tokens": ("loraplex_prefix_cache_hit_tokens",
+                                "Tokens of admitted requests whose K/V came from the prefix cache."),
+    "prefix_cache_evictions": ("loraplex_prefix_cache_evictions", "Cached KV blocks evicted to make room."),
+}
+# Per adapter (label values bounded by the loaded adapters): PrefixCounts field -> (metric name, help).
+_PREFIX_BY_ADAPTER = {
+    "queried_tokens": ("loraplex_adapter_prefix_cache_queried_tokens", "Prefix-cache lookups in tokens, by adapter."),
+    "hit_tokens": ("loraplex_adapter_prefix_cache_hit_tokens", "Prefix-cache hits in tokens, by adapter."),
 }
 
 
@@ -55,6 +67,11 @@ class EngineStatsCollector(Collector):
         yield GaugeMetricFamily("loraplex_adapter_slot_occupancy", "slots_in_use / max_loras.", value=occupancy)
         for field, (name, doc) in _STAT_COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=getattr(stats, field))
+        for field, (name, doc) in _PREFIX_BY_ADAPTER.items():
+            family = CounterMetricFamily(name, doc, labels=["adapter"])
+            for adapter, counts in sorted(stats.prefix_cache_by_adapter.items(), key=lambda kv: kv[0] or ""):
+                family.add_metric([adapter or BASE_LABEL], getattr(counts, field))
+            yield family
 
 
 class ServerMetrics:

@@ -1,0 +1,123 @@
+"""Prefix caching inside one step and around failures: requests of the same prompt and adapter version
+admitted together share its blocks (the prompt is prefilled once, every sibling reads K/V written earlier
+in the same forward pass); a step that fails forgets the keys it entered; the metrics; and a key without
+the adapter version, rebuilt on purpose, is caught."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+import loraplex.engine.scheduler as scheduler_module
+from loraplex.engine.engine import Engine
+from loraplex.engine.request import RequestOutput
+from loraplex.server.metrics import ServerMetrics
+from tests.test_prefix_cache import PARAMS, make_llm, words
+
+
+def run_to_end(engine: Engine, results: dict[str, RequestOutput]) -> None:
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            results[out.request_id] = out
+
+
+def poison(engine: Engine) -> None:
+    """Unwritten K/V becomes loud garbage, so reading a block before it is written changes the output."""
+    for t in engine.kv_cache.kv:
+        t.normal_(0.0, 50.0)
+
+
+def test_same_step_siblings_share_the_prompt_blocks(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> None:
+    """Three requests of one 17-token prompt and adapter (the siblings compute only the last token: the decode
+    path), one of the same prompt with another adapter (shares nothing), two base requests of a 19-token
+    prompt (the sibling computes 3 tokens as a chunk continuing from the shared blocks)."""
+    rng = random.Random(4)
+    p17, p19 = words(rng, 17), words(rng, 19)
+    requests = [(p17, "r8_all")] * 3 + [(p17, "r2_qv"), (p19, None), (p19, None)]
+    results = {}
+    for caching in (True, False):
+        engine = make_llm(tiny_llama, caching, tiny_llama_adapters).engine
+        poison(engine)
+        ids = [engine.add_request(None, p, PARAMS, a) for p, a in requests]
+        outputs = {out.request_id: out for out in engine.step()}
+        assert len(outputs) == 6, "every request is admitted and samples in the first step"
+        if caching:
+            tables = {r.request_id: r.block_table for r in engine.scheduler.running}
+            t = [tables[i] for i in ids]
+            assert t[0][:4] == t[1][:4] == t[2][:4] and len({t[0][4], t[1][4], t[2][4]}) == 3
+            assert [engine.allocator.ref_count(b) for b in t[0][:4]] == [3] * 4
+            assert not set(t[3]) & set(t[0]) and t[4][:4] == t[5][:4] and not set(t[4]) & set(t[0] + t[3])
+            by_adapter = engine.stats().prefix_cache_by_adapter
+            assert [by_adapter[a].hit_tokens for a in ("r8_all", "r2_qv", None)] == [2 * 16, 0, 16]
+        run_to_end(engine, outputs)
+        results[caching] = [outputs[i].token_ids for i in ids]
+        assert engine.allocator.num_free == engine.allocator.num_total
+    assert results[True] == results[False]
+    assert results[True][0] == results[True][1] == results[True][2] != results[True][3]
+
+
+def test_a_failed_step_forgets_its_keys(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward pass fails after garbling the cache: nothing it keyed may be matched later; its requests are
+    recomputed and end as if the failure never happened."""
+    prompt = words(random.Random(5), 18)
+    reference = make_llm(tiny_llama, False).generate([prompt], PARAMS, use_tqdm=False)[0].token_ids
+    engine = make_llm(tiny_llama, True).engine
+    real_execute = engine.runner.execute
+
+    def failing_execute(entries, lora):  # noqa: ANN001, ANN202
+        poison(engine)
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "execute", failing_execute)
+    engine.add_request("a", prompt, PARAMS)
+    engine.add_request("b", prompt, PARAMS)  # shares a's blocks keyed in the failing step
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    assert engine.allocator.num_cached == 0 and engine.allocator.num_free == engine.allocator.num_total
+    assert [r.num_computed_tokens for r in engine.scheduler.waiting] == [0, 0] and not engine.scheduler.running
+    monkeypatch.setattr(engine.runner, "execute", real_execute)
+    results: dict[str, RequestOutput] = {}
+    run_to_end(engine, results)
+    assert results["a"].token_ids == results["b"].token_ids == reference
+
+
+def test_metrics_count_hits_per_loaded_adapter(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> None:
+    llm = make_llm(tiny_llama, True, {"x": tiny_llama_adapters["r4_attn"]})
+    prompt = words(random.Random(6), 13)  # 3 full blocks before the last token
+    for _ in range(2):
+        llm.generate([prompt, prompt], PARAMS, adapters=["x", None], use_tqdm=False)
+    stats = llm.stats()
+    assert (stats.prefix_cache_queried_tokens, stats.prefix_cache_hit_tokens) == (4 * 13, 2 * 12)
+    assert stats.prefix_cache_blocks == 2 * (13 + 7) // 4  # each prompt's and its outputs' full blocks
+    text = ServerMetrics(llm.engine).render().decode()
+    for line in ("loraplex_prefix_cache_queried_tokens_total 52.0", "loraplex_prefix_cache_hit_tokens_total 24.0",
+                 'loraplex_adapter_prefix_cache_hit_tokens_total{adapter="x"} 12.0',
+                 'loraplex_adapter_prefix_cache_queried_tokens_total{adapter="base"} 26.0',
+                 "loraplex_prefix_cache_blocks 10.0", "loraplex_prefix_cache_evictions_total 0.0"):
+        assert line in text, line
+    llm.unload_adapter("x")
+    llm.engine.step()  # the step loop retires the version
+    assert 'adapter="x"' not in ServerMetrics(llm.engine).render().decode()
+    assert set(llm.stats().prefix_cache_by_adapter) == {None}
+
+
+@pytest.mark.parametrize("debug_checks", [True, False])
+def test_a_key_without_the_version_would_be_caught(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
+                                                   monkeypatch: pytest.MonkeyPatch, debug_checks: bool) -> None:
+    """The bug class of vLLM #30931 rebuilt on purpose: block keys that leave out the adapter version let a
+    request read K/V another adapter computed. The debug check fires; without it, the output is wrong."""
+    prompt = words(random.Random(7), 21)
+    reference = make_llm(tiny_llama, False, tiny_llama_adapters).generate(
+        [prompt], PARAMS, adapters=["r2_qv"], use_tqdm=False)[0].token_ids
+    real_chain = scheduler_module.extend_chain
+    monkeypatch.setattr(scheduler_module, "extend_chain",
+                        lambda keys, tokens, adapter_id, block_size: real_chain(keys, tokens, None, block_size))
+    llm = make_llm(tiny_llama, True, tiny_llama_adapters, debug_checks=debug_checks)
+    llm.generate([prompt], PARAMS, adapters=["r8_all"], use_tqdm=False)
+    if debug_checks:
+        with pytest.raises(AssertionError, match="holds K/V of version"):
+            llm.generate([prompt], PARAMS, adapters=["r2_qv"], use_tqdm=False)
+        return
+    assert llm.generate([prompt], PARAMS, adapters=["r2_qv"], use_tqdm=False)[0].token_ids != reference
