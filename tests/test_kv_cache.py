@@ -213,3 +213,14 @@ def test_caching_off_keeps_nothing() -> None:
     m.free(table)
     assert m.num_free == 4
     m.check_integrity()
+
+
+def test_integrity_check_compares_references_with_the_tables() -> None:
+    m = BlockManager(4, block_size=2)
+    a = m.allocate(2, None)
+    b = m.allocate(0, None, m.match([], None, 1)) + m.allocate(1, None)
+    m.check_integrity([a, b])
+    with pytest.raises(AssertionError, match="references"):
+        m.check_integrity([a])  # b's block is referenced by no table: a leak
+    with pytest.raises(AssertionError, match="references"):
+        m.check_integrity([a, b, a[:1]])  # a table holds a block without a reference

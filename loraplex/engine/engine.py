@@ -319,7 +319,9 @@ class Engine:
 
     def _check_right_kv(self, batch: list[ScheduledRequest]) -> None:
         """Invariant 6 for the prefix cache: every block a request reads was written under its adapter
-        version and, if keyed, sits at its own place in the request's chain."""
+        version and, if keyed, sits at its own place in the request's chain; every block's reference count
+        is the number of running requests holding it."""
+        self.allocator.check_integrity([r.block_table for r in self.scheduler.running])
         for s in batch:
             self.allocator.check_sequence(s.request.block_table, s.request.block_keys, s.request.adapter_id)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -193,9 +193,14 @@ class BlockManager:
             if self._keys[b] is not None and i < len(keys) and self._keys[b] != keys[i]:
                 raise AssertionError(f"block {i} (#{b}) is keyed for other contents than the sequence's chain")
 
-    def check_integrity(self) -> None:
-        """Raise AssertionError unless every block is exactly one of free / referenced / cached and the
-        index and the keys agree."""
+    def check_integrity(self, tables: Iterable[Sequence[int]] | None = None) -> None:
+        """Raise AssertionError unless every block is exactly one of free / referenced / cached, the index and
+        the keys agree, and (given every live block table) each block's references are the tables holding it."""
+        if tables is not None:
+            held = Counter(b for table in tables for b in table)
+            wrong = [b for b in range(self.num_total) if self._refs[b] != held[b]]
+            if wrong:
+                raise AssertionError(f"block {wrong[0]}: {self._refs[wrong[0]]} references, {held[wrong[0]]} tables")
         free, cached = set(self._free), set(self._cached)
         for b in range(self.num_total):
             states = (b in free, self._refs[b] > 0, b in cached)
