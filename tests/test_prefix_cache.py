@@ -7,7 +7,10 @@ its adapter version) and must really hit the cache, or the comparison would prov
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from loraplex import LLM, SamplingParams
 
@@ -114,3 +117,25 @@ def test_load_unload_and_reload_between_turns(tiny_llama: Path, tiny_llama_adapt
         results[caching] = [[o.token_ids for o in turn] for turn in outs]
     assert results[True] == results[False]
     assert results[True][2][0] != results[True][0][0], "the reload must change A's output"
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen3", "gemma3", "phi3"])
+def test_other_families_equal_caching_off(tiny_checkpoint: Callable[[str], Path], arch: str) -> None:
+    """A system prompt shared by three requests, then a second turn over each history, on the families
+    whose attention differs from Llama's (sliding windows, q/k norms, Gemma's local layers). Phi-3's
+    LongRoPE makes a token's K depend on its sequence's length past 32 positions (the second turn's
+    prompts are longer), which no key can hold: caching stays off there."""
+    rng = random.Random(8)
+    system = words(rng, 13)
+    users = [[words(rng, 8) for _ in range(3)] for _ in range(2)]
+    results = {}
+    for caching in (True, False):
+        llm = make_llm(tiny_checkpoint(arch), caching)
+        history = [list(system) for _ in range(3)]
+        for turn in users:
+            outs = llm.generate([h + u for h, u in zip(history, turn, strict=True)], PARAMS, use_tqdm=False)
+            history = [h + u + o.token_ids for h, u, o in zip(history, turn, outs, strict=True)]
+        results[caching] = history
+        assert llm.engine.allocator.caching == (caching and arch != "phi3")
+        assert (llm.stats().prefix_cache_hit_tokens > 0) == llm.engine.allocator.caching
+    assert results[True] == results[False]

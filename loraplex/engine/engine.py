@@ -31,6 +31,7 @@ from loraplex.engine.sampling import sample
 from loraplex.engine.scheduler import ScheduledRequest, Scheduler
 from loraplex.errors import LoraplexError, RequestError
 from loraplex.layers.lora_linear import use_lora_kernels
+from loraplex.layers.rotary import RotaryEmbedding
 from loraplex.models.embedded import resolve_model
 from loraplex.models.loader import load_model
 from loraplex.models.registry import model_config
@@ -107,10 +108,7 @@ class Engine:
                                        allow_pickle=config.allow_pickle_adapters,
                                        saved_rows_budget=config.saved_rows_budget_bytes, base_tokenizer=self.tokenizer)
         self.max_model_len = min(self.model_config.max_position_embeddings, num_blocks * config.block_size)
-        # A block's K/V depends on its tokens, the prefix before them (its key's chain), the model and the
-        # adapter version (in the key). Dynamic-NTK rope would add the sequence's length, but only past
-        # max_position_embeddings, which max_model_len never exceeds.
-        self.allocator = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.allocator = BlockManager(num_blocks, config.block_size, self._prefix_caching_applies())
         self.scheduler = Scheduler(config, self.allocator, self.adapters, self.model_config.eos_token_ids,
                                    self.max_model_len)
         self._inbox: queue.SimpleQueue[list[Request] | str | _Retire] = queue.SimpleQueue()
@@ -124,6 +122,20 @@ class Engine:
                     config.block_size, num_blocks * block_bytes / 2**20)
         row_bytes = self.model_config.hidden_size * self.model.embed_tokens.weight.element_size()
         logger.info("%s", self.adapters.budget.describe(row_bytes * self.model_config.vocab_size, row_bytes))
+
+    def _prefix_caching_applies(self) -> bool:
+        """A block's K/V depends on its tokens, the prefix before them (its key's chain), the model and the
+        adapter version (in the key), unless rotary tables also depend on the sequence's length (dynamic NTK,
+        LongRoPE) within the context served: then caching stays off."""
+        if not self.config.enable_prefix_caching:
+            return False
+        limits = [m.length_dependent_above() for m in self.model.modules() if isinstance(m, RotaryEmbedding)]
+        limit = min((x for x in limits if x is not None), default=None)
+        if limit is not None and self.max_model_len > limit:
+            logger.warning("prefix caching is off: this model's rotary embedding depends on the sequence length "
+                           "past %d tokens (context %d)", limit, self.max_model_len)
+            return False
+        return True
 
     # ---- adapters (any thread) ----
     def load_adapter(self, name: str, path: str | Path) -> AdapterInfo:

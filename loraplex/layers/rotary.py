@@ -90,6 +90,15 @@ class RotaryEmbedding(nn.Module):
                      if self.scaling.rope_type == "longrope" else None)
         self.register_buffer("long_inv_freq", long_freq, persistent=False)  # [d/2] longrope only
 
+    def length_dependent_above(self) -> int | None:
+        """The sequence length past which cos/sin depend on how long the sequence is, not only on the
+        position (so a token's K depends on its sequence's length when it was computed); None if never."""
+        if self.scaling.rope_type == "dynamic":
+            return self.max_pos
+        if self.scaling.rope_type == "longrope":
+            return self.scaling.original_max_position_embeddings
+        return None
+
     def _inv_freq(self, seq_lens: torch.Tensor) -> torch.Tensor:
         """``[T, d/2]`` or ``[1, d/2]`` inverse frequencies for tokens of sequences of ``seq_lens [T]``."""
         s = self.scaling
