@@ -109,13 +109,15 @@ def main() -> None:
                          "requests": args.requests, "tokens": args.tokens, "repeats": args.repeats}
         names = zipf_names(args.adapters, args.requests)
         used = sorted(set(names), key=lambda n: int(n[1:]))
-        churn = LLM(max_loras=8, max_cpu_loras=64, max_num_seqs=32, max_lora_rank=RANK)
+        # Prefix caching off: repeated runs reuse their prompts; this measures adapter loads, not cache hits.
+        churn = LLM(max_loras=8, max_cpu_loras=64, max_num_seqs=32, max_lora_rank=RANK, enable_prefix_caching=False)
         results["cold"] = cold_loads(churn, folders[: args.cold])
         start = time.perf_counter()
         for i, folder in enumerate(folders):
             churn.load_adapter(f"a{i}", folder)
         results["register_all_s"] = time.perf_counter() - start
-        resident = LLM(max_loras=8, max_cpu_loras=len(used), max_num_seqs=32, max_lora_rank=RANK)
+        resident = LLM(max_loras=8, max_cpu_loras=len(used), max_num_seqs=32, max_lora_rank=RANK,
+                       enable_prefix_caching=False)
         for name in used:
             resident.load_adapter(name, folders[int(name[1:])])
         prompts = chat_prompts(churn.tokenizer, args.requests)

@@ -39,8 +39,9 @@ class LoraplexSystem:
     name = "loraplex"
 
     def __init__(self, adapters: dict[str, Path], max_loras: int) -> None:
+        # Prefix caching off, as in vllm_worker.py: repeated runs of the same prompts measure compute.
         self.llm = LLM(max_loras=max_loras, max_cpu_loras=max(max_loras, len(adapters)), max_lora_rank=16,
-                       max_num_seqs=32)
+                       max_num_seqs=32, enable_prefix_caching=False)
         for name, path in adapters.items():
             self.llm.load_adapter(name, path)
 
