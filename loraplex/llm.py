@@ -12,8 +12,9 @@ from tqdm import tqdm
 
 from loraplex.adapters.info import AdapterInfo
 from loraplex.config import EngineConfig
-from loraplex.engine.engine import Engine, EngineStats
+from loraplex.engine.engine import Engine
 from loraplex.engine.request import RequestOutput, SamplingParams
+from loraplex.engine.stats import EngineStats
 
 
 class LLM:

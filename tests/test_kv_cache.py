@@ -159,6 +159,26 @@ def test_retired_version_is_evicted_first() -> None:
     assert 1 not in m.counts_by_version()
 
 
+def test_blocks_of_a_retired_version_released_later_are_evicted_first() -> None:
+    """A request still running on an unloaded version releases its blocks after ``retire``: they go to the
+    front of the eviction order, and its readmission after a preemption counts overall only."""
+    m = BlockManager(4, block_size=2)
+    running, other = m.allocate(2, 1), m.allocate(2, 2)
+    m.cache(running, chain([1, 2, 3, 4], 1))
+    m.cache(other, chain([1, 2, 3, 4], 2))
+    m.commit()
+    m.free(other)
+    m.retire(1)
+    m.free(running)  # released last, yet evicted first
+    hit = m.match(chain([1, 2, 3, 4, 5], 1), 1, 5)
+    assert hit.blocks == tuple(running)  # the preempted request still finds its own K/V
+    m.free(m.allocate(0, 1, hit))
+    assert (m.totals.queried_tokens, m.totals.hit_tokens) == (5, 4) and 1 not in m.counts_by_version()
+    assert sorted(m.allocate(2, None)) == sorted(running)
+    assert m.match(chain([1, 2, 3, 4], 2), 2, 4).blocks == tuple(other)
+    m.check_integrity()
+
+
 def test_pending_keys_are_seen_in_their_step_and_forgotten_by_rollback() -> None:
     m = BlockManager(6, block_size=2)
     keys = chain([1, 2, 3, 4, 5], 3)

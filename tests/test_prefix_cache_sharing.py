@@ -1,11 +1,12 @@
 """Prefix caching inside one step and around failures: requests of the same prompt and adapter version
 admitted together share its blocks (the prompt is prefilled once, every sibling reads K/V written earlier
-in the same forward pass); a step that fails forgets the keys it entered; the metrics; and a key without
-the adapter version, rebuilt on purpose, is caught."""
+in the same forward pass); a step that fails forgets the keys it entered; the metrics; and keys without
+the adapter version (none, or its name), rebuilt on purpose, are caught."""
 
 from __future__ import annotations
 
 import random
+import zlib
 from pathlib import Path
 
 import pytest
@@ -104,20 +105,35 @@ def test_metrics_count_hits_per_loaded_adapter(tiny_llama: Path, tiny_llama_adap
 
 
 @pytest.mark.parametrize("debug_checks", [True, False])
+@pytest.mark.parametrize("keyed_on", ["nothing", "name"])
 def test_a_key_without_the_version_would_be_caught(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
-                                                   monkeypatch: pytest.MonkeyPatch, debug_checks: bool) -> None:
-    """The bug class of vLLM #30931 rebuilt on purpose: block keys that leave out the adapter version let a
-    request read K/V another adapter computed. The debug check fires; without it, the output is wrong."""
+                                                   monkeypatch: pytest.MonkeyPatch, debug_checks: bool,
+                                                   keyed_on: str) -> None:
+    """The bug class of vLLM #30931 / #42125 rebuilt on purpose: block keys that leave out the adapter version
+    (or hold the adapter's *name*, and the name is reloaded with other weights) let a request read K/V that
+    other weights computed. The debug check fires; without it, the output is wrong."""
     prompt = words(random.Random(7), 21)
     reference = make_llm(tiny_llama, False, tiny_llama_adapters).generate(
         [prompt], PARAMS, adapters=["r2_qv"], use_tqdm=False)[0].token_ids
+    llm = make_llm(tiny_llama, True, {"a": tiny_llama_adapters["r8_all"]}, debug_checks=debug_checks)
     real_chain = scheduler_module.extend_chain
-    monkeypatch.setattr(scheduler_module, "extend_chain",
-                        lambda keys, tokens, adapter_id, block_size: real_chain(keys, tokens, None, block_size))
-    llm = make_llm(tiny_llama, True, tiny_llama_adapters, debug_checks=debug_checks)
-    llm.generate([prompt], PARAMS, adapters=["r8_all"], use_tqdm=False)
+
+    def mutated_chain(keys: list[bytes], tokens: list[int], adapter_id: int | None, block_size: int) -> list[bytes]:
+        name = llm.engine.adapters.info(adapter_id).name if adapter_id is not None else None
+        stand_in = None if keyed_on == "nothing" or name is None else zlib.crc32(name.encode())
+        return real_chain(keys, tokens, stand_in, block_size)
+
+    monkeypatch.setattr(scheduler_module, "extend_chain", mutated_chain)
+    llm.generate([prompt], PARAMS, adapters=["a"], use_tqdm=False)
+    if keyed_on == "name":  # the name now holds other weights: the computation of the reference
+        llm.unload_adapter("a")
+        llm.load_adapter("a", tiny_llama_adapters["r2_qv"])
+        second = "a"
+    else:
+        llm.load_adapter("b", tiny_llama_adapters["r2_qv"])
+        second = "b"
     if debug_checks:
         with pytest.raises(AssertionError, match="holds K/V of version"):
-            llm.generate([prompt], PARAMS, adapters=["r2_qv"], use_tqdm=False)
+            llm.generate([prompt], PARAMS, adapters=[second], use_tqdm=False)
         return
-    assert llm.generate([prompt], PARAMS, adapters=["r2_qv"], use_tqdm=False)[0].token_ids != reference
+    assert llm.generate([prompt], PARAMS, adapters=[second], use_tqdm=False)[0].token_ids != reference

@@ -11,8 +11,8 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +23,13 @@ from loraplex.adapters.info import AdapterInfo
 from loraplex.adapters.manager import AdapterManager
 from loraplex.config import EngineConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
-from loraplex.engine.kv_cache import BlockManager, KVCache, PrefixCounts
+from loraplex.engine.kv_cache import BlockManager, KVCache
 from loraplex.engine.logprobs import add_prompt_logprobs, needs_prompt_rows, token_logprobs
 from loraplex.engine.request import Request, RequestOutput, SamplingParams
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.engine.sampling import sample
 from loraplex.engine.scheduler import ScheduledRequest, Scheduler
+from loraplex.engine.stats import EngineStats, collect_stats
 from loraplex.errors import LoraplexError, RequestError
 from loraplex.layers.lora_linear import use_lora_kernels
 from loraplex.layers.rotary import RotaryEmbedding
@@ -39,31 +40,6 @@ from loraplex.ops.lora import resolve_lora_kernels
 from loraplex.ops.lora_batch import BatchMapping, LoRABatch
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_waiting: int
-    num_running: int
-    slots_in_use: int
-    max_loras: int
-    kv_blocks_free: int
-    kv_blocks_total: int
-    loads: int
-    device_evictions: int
-    host_evictions: int
-    device_hits: int
-    host_hits: int
-    num_preemptions: int
-    saved_rows_bytes: int = 0  # adapters' saved vocabulary rows held now
-    saved_rows_budget_bytes: int = 0
-    # Prefix cache: tokens of admitted requests looked up and found cached, blocks holding reusable K/V,
-    # cached blocks evicted to make room; lookups per loaded adapter name (None = the base model).
-    prefix_cache_queried_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
-    prefix_cache_blocks: int = 0
-    prefix_cache_evictions: int = 0
-    prefix_cache_by_adapter: Mapping[str | None, PrefixCounts] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -227,26 +203,7 @@ class Engine:
         return self.scheduler.has_work() or not self._inbox.empty()
 
     def stats(self) -> EngineStats:
-        c = self.adapters.counters()
-        return EngineStats(
-            num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
-            slots_in_use=c["slots_in_use"], max_loras=self.config.max_loras,
-            kv_blocks_free=self.allocator.num_free, kv_blocks_total=self.allocator.num_total,
-            loads=c["loads"], device_evictions=c["device_evictions"], host_evictions=c["host_evictions"],
-            device_hits=c["device_hits"], host_hits=c["host_hits"], num_preemptions=self.scheduler.num_preemptions,
-            saved_rows_bytes=self.adapters.budget.used, saved_rows_budget_bytes=self.config.saved_rows_budget_bytes,
-            **self._prefix_cache_stats())
-
-    def _prefix_cache_stats(self) -> dict:
-        blocks = self.allocator
-        names: dict[int | None, str | None] = {None: None}
-        names.update((info.adapter_id, info.name) for info in self.adapters.list())
-        by_version = blocks.counts_by_version()
-        return dict(prefix_cache_queried_tokens=blocks.totals.queried_tokens,
-                    prefix_cache_hit_tokens=blocks.totals.hit_tokens, prefix_cache_blocks=blocks.num_cached,
-                    prefix_cache_evictions=blocks.evictions,
-                    prefix_cache_by_adapter={names[v]: c for v, c in by_version.items() if v in names})
-
+        return collect_stats(self.config, self.scheduler, self.allocator, self.adapters)
 
     # ---- the step loop (one thread) ----
     def step(self) -> list[RequestOutput]:

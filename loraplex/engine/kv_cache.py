@@ -69,6 +69,7 @@ class BlockManager:
         self._versions: list[int | None] = [None] * num_blocks  # version of the sequence that wrote it
         self._index: dict[bytes, int] = {}  # key -> the block holding that content
         self._pending: dict[int, None] = {}  # blocks keyed in the running step
+        self._retired: set[int] = set()  # unloaded versions: their blocks are evicted first
         self.evictions = 0
         self.totals = PrefixCounts()
         self._by_version: dict[int | None, PrefixCounts] = {}
@@ -126,8 +127,10 @@ class BlockManager:
             self._refs[b] = 1
             self._versions[b] = adapter_id
         if prefix is not None and self.caching:
-            counts = self._by_version.setdefault(adapter_id, PrefixCounts())
-            for c in (counts, self.totals):
+            counters = [self.totals]
+            if adapter_id not in self._retired:  # a preempted request of an unloaded version counts overall only
+                counters.append(self._by_version.setdefault(adapter_id, PrefixCounts()))
+            for c in counters:
                 c.queried_tokens += prefix.queried_tokens
                 c.hit_tokens += prefix.hit_tokens
         return shared + fresh
@@ -142,7 +145,9 @@ class BlockManager:
             self._refs[b] -= 1
             if self._refs[b] == 0:
                 if self._keys[b] is not None:
-                    self._cached[b] = None  # most recently released: evicted last
+                    self._cached[b] = None  # most recently released: evicted last ...
+                    if self._versions[b] in self._retired:
+                        self._cached.move_to_end(b, last=False)  # ... unless its version was unloaded
                 else:
                     self._free.append(b)
 
@@ -174,7 +179,9 @@ class BlockManager:
 
     def retire(self, adapter_id: int) -> None:
         """``adapter_id`` was unloaded: its cached blocks go first when space is needed (its keys, which hold
-        the version, can match no other version), and its lookup counters are dropped."""
+        the version, can match no other version), now and when its running requests release theirs; its lookup
+        counters are dropped."""
+        self._retired.add(adapter_id)
         for b in reversed([b for b in self._cached if self._versions[b] == adapter_id]):
             self._cached.move_to_end(b, last=False)
         self._by_version.pop(adapter_id, None)

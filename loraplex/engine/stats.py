@@ -1,0 +1,62 @@
+"""``EngineStats``: the engine's counters at one instant (queue, slots, KV blocks, adapter tiers, prefix
+cache), read by ``LLM.stats()``, the CLI and the Prometheus collector at scrape time.
+
+``collect_stats`` may run on any thread while the step loop runs: every source it reads is either
+locked (the adapter manager) or copied in one step (the block manager's counters), so a snapshot can
+be a step old but never torn inside one counter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from loraplex.adapters.manager import AdapterManager
+from loraplex.config import EngineConfig
+from loraplex.engine.kv_cache import BlockManager, PrefixCounts
+from loraplex.engine.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    slots_in_use: int
+    max_loras: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    loads: int
+    device_evictions: int
+    host_evictions: int
+    device_hits: int
+    host_hits: int
+    num_preemptions: int
+    saved_rows_bytes: int = 0  # adapters' saved vocabulary rows held now
+    saved_rows_budget_bytes: int = 0
+    # Prefix cache: tokens of admitted requests looked up and found cached, blocks holding reusable K/V,
+    # cached blocks evicted to make room; lookups per loaded adapter name (None = the base model).
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_blocks: int = 0
+    prefix_cache_evictions: int = 0
+    prefix_cache_by_adapter: Mapping[str | None, PrefixCounts] = field(default_factory=dict)
+
+
+def collect_stats(config: EngineConfig, scheduler: Scheduler, blocks: BlockManager,
+                  adapters: AdapterManager) -> EngineStats:
+    """One ``EngineStats`` from the engine's parts. Per-adapter prefix-cache counters are reported under the
+    name of each live version (a retired version's counters are gone; a reloaded name starts from zero)."""
+    c = adapters.counters()
+    names: dict[int | None, str | None] = {None: None}
+    names.update((info.adapter_id, info.name) for info in adapters.list())
+    by_version = blocks.counts_by_version()
+    return EngineStats(
+        num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),
+        slots_in_use=c["slots_in_use"], max_loras=config.max_loras,
+        kv_blocks_free=blocks.num_free, kv_blocks_total=blocks.num_total,
+        loads=c["loads"], device_evictions=c["device_evictions"], host_evictions=c["host_evictions"],
+        device_hits=c["device_hits"], host_hits=c["host_hits"], num_preemptions=scheduler.num_preemptions,
+        saved_rows_bytes=adapters.budget.used, saved_rows_budget_bytes=config.saved_rows_budget_bytes,
+        prefix_cache_queried_tokens=blocks.totals.queried_tokens, prefix_cache_hit_tokens=blocks.totals.hit_tokens,
+        prefix_cache_blocks=blocks.num_cached, prefix_cache_evictions=blocks.evictions,
+        prefix_cache_by_adapter={names[v]: counts for v, counts in by_version.items() if v in names})
