@@ -23,21 +23,21 @@ from loraplex.adapters.info import AdapterInfo
 from loraplex.adapters.manager import AdapterManager
 from loraplex.config import EngineConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
+from loraplex.engine.invariants import check_right_kv, check_right_weights, keys_hold_all_kv_inputs
 from loraplex.engine.kv_cache import BlockManager, KVCache
 from loraplex.engine.logprobs import add_prompt_logprobs, needs_prompt_rows, token_logprobs
 from loraplex.engine.request import Request, RequestOutput, SamplingParams
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.engine.sampling import sample
-from loraplex.engine.scheduler import ScheduledRequest, Scheduler
+from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.stats import EngineStats, collect_stats
 from loraplex.errors import LoraplexError, RequestError
 from loraplex.layers.lora_linear import use_lora_kernels
-from loraplex.layers.rotary import RotaryEmbedding
 from loraplex.models.embedded import resolve_model
 from loraplex.models.loader import load_model
 from loraplex.models.registry import model_config
 from loraplex.ops.lora import resolve_lora_kernels
-from loraplex.ops.lora_batch import BatchMapping, LoRABatch
+from loraplex.ops.lora_batch import BatchMapping
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,8 @@ class Engine:
                                        allow_pickle=config.allow_pickle_adapters,
                                        saved_rows_budget=config.saved_rows_budget_bytes, base_tokenizer=self.tokenizer)
         self.max_model_len = min(self.model_config.max_position_embeddings, num_blocks * config.block_size)
-        self.allocator = BlockManager(num_blocks, config.block_size, self._prefix_caching_applies())
+        caching = config.enable_prefix_caching and keys_hold_all_kv_inputs(self.model, self.max_model_len)
+        self.allocator = BlockManager(num_blocks, config.block_size, caching)
         self.scheduler = Scheduler(config, self.allocator, self.adapters, self.model_config.eos_token_ids,
                                    self.max_model_len)
         self._inbox: queue.SimpleQueue[list[Request] | str | _Retire] = queue.SimpleQueue()
@@ -98,20 +99,6 @@ class Engine:
                     config.block_size, num_blocks * block_bytes / 2**20)
         row_bytes = self.model_config.hidden_size * self.model.embed_tokens.weight.element_size()
         logger.info("%s", self.adapters.budget.describe(row_bytes * self.model_config.vocab_size, row_bytes))
-
-    def _prefix_caching_applies(self) -> bool:
-        """A block's K/V depends on its tokens, the prefix before them (its key's chain), the model and the
-        adapter version (in the key), unless rotary tables also depend on the sequence's length (dynamic NTK,
-        LongRoPE) within the context served: then caching stays off."""
-        if not self.config.enable_prefix_caching:
-            return False
-        limits = [m.length_dependent_above() for m in self.model.modules() if isinstance(m, RotaryEmbedding)]
-        limit = min((x for x in limits if x is not None), default=None)
-        if limit is not None and self.max_model_len > limit:
-            logger.warning("prefix caching is off: this model's rotary embedding depends on the sequence length "
-                           "past %d tokens (context %d)", limit, self.max_model_len)
-            return False
-        return True
 
     # ---- adapters (any thread) ----
     def load_adapter(self, name: str, path: str | Path) -> AdapterInfo:
@@ -219,8 +206,8 @@ class Engine:
         try:
             lora = self.adapters.lora_batch(mapping)
             if self.config.debug_checks:
-                self._check_right_weights(mapping, lora)
-                self._check_right_kv(batch)
+                check_right_weights(self.adapters, mapping, lora)
+                check_right_kv(self.allocator, self.scheduler.running, [s.request for s in batch])
             with torch.inference_mode():
                 logits = self.runner.execute(entries, lora)  # [R, vocab]
                 ends = list(itertools.accumulate(e.num_logits for e in entries))  # logits row after each entry's
@@ -277,22 +264,6 @@ class Engine:
             if error is not None:
                 outputs.append(self._finish(request, "error", error))
         return outputs
-
-    def _check_right_weights(self, mapping: BatchMapping, lora: LoRABatch | None) -> None:
-        """Invariant 1: the slot each token reads holds the adapter version its request asked for."""
-        slots = lora.token_slots.tolist() if lora is not None else [-1] * len(mapping.token_adapter_ids)
-        for t, (wanted, slot) in enumerate(zip(mapping.token_adapter_ids, slots, strict=True)):
-            held = None if slot < 0 else self.adapters.slot_owner(slot)
-            if held != wanted:
-                raise AssertionError(f"token {t} asked for adapter {wanted} but reads slot {slot} holding {held}")
-
-    def _check_right_kv(self, batch: list[ScheduledRequest]) -> None:
-        """Invariant 6 for the prefix cache: every block a request reads was written under its adapter
-        version and, if keyed, sits at its own place in the request's chain; every block's reference count
-        is the number of running requests holding it."""
-        self.allocator.check_integrity([r.block_table for r in self.scheduler.running])
-        for s in batch:
-            self.allocator.check_sequence(s.request.block_table, s.request.block_keys, s.request.adapter_id)
 
     def _finish(self, request: Request, reason: str, error: LoraplexError | None = None) -> RequestOutput:
         """End a request outside the step's own bookkeeping (abort, broken adapter)."""
