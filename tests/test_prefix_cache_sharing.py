@@ -13,7 +13,7 @@ import pytest
 
 import loraplex.engine.scheduler as scheduler_module
 from loraplex.engine.engine import Engine
-from loraplex.engine.request import RequestOutput
+from loraplex.engine.request import RequestOutput, SamplingParams
 from loraplex.server.metrics import ServerMetrics
 from tests.test_prefix_cache import PARAMS, make_llm, words
 
@@ -137,3 +137,41 @@ def test_a_key_without_the_version_would_be_caught(tiny_llama: Path, tiny_llama_
             llm.generate([prompt], PARAMS, adapters=[second], use_tqdm=False)
         return
     assert llm.generate([prompt], PARAMS, adapters=[second], use_tqdm=False)[0].token_ids != reference
+
+
+def test_n_choices_and_prompt_lists_share_one_prefill(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> None:
+    """``LLM.generate`` queues every choice of every prompt in one ``add_requests`` call: three sampled choices
+    of a 21-token prompt and the same prompt again in the list (greedy) are admitted in one step, and only the
+    first computes the prompt's 5 full blocks; choice 0 also asks for prompt logprobs, so it computes every
+    prompt token itself. Every output and logprob equals caching off."""
+    prompt = words(random.Random(9), 21)
+    sampled = SamplingParams(n=3, max_tokens=8, temperature=0.9, seed=11, ignore_eos=True, prompt_logprobs=2)
+    results = {}
+    for caching in (True, False):
+        llm = make_llm(tiny_llama, caching, tiny_llama_adapters)
+        outs = llm.generate([prompt, prompt], [sampled, PARAMS], adapters="r8_all", use_tqdm=False)
+        results[caching] = [[(c.token_ids, c.prompt_logprobs) for c in o.outputs] for o in outs]
+        if caching:
+            assert (llm.stats().prefix_cache_queried_tokens, llm.stats().prefix_cache_hit_tokens) == (4 * 21, 3 * 20)
+    assert results[True] == results[False]
+    assert len({tuple(tokens) for tokens, _ in results[True][0]}) == 3, "the seeded choices differ"
+
+
+def test_prompt_logprobs_are_computed_even_when_the_prompt_is_cached(tiny_llama: Path) -> None:
+    """A request asking for prompt logprobs cannot take cached K/V for the positions it must score: on a warm
+    cache it prefills its whole prompt, and gets every position's logprob, equal to caching off; a request of
+    the same prompt without them reuses the cache."""
+    prompt = words(random.Random(10), 22)
+    scored = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    results = {}
+    for caching in (True, False):
+        llm = make_llm(tiny_llama, caching)
+        llm.generate([prompt], PARAMS, use_tqdm=False)  # the prompt's 5 full blocks are now cached
+        out = llm.generate([prompt], scored, use_tqdm=False)[0]
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        results[caching] = (out.token_ids, out.prompt_logprobs)
+        if caching:
+            assert llm.stats().prefix_cache_hit_tokens == 0
+            llm.generate([prompt], PARAMS, use_tqdm=False)
+            assert llm.stats().prefix_cache_hit_tokens == 20
+    assert results[True] == results[False]

@@ -17,7 +17,8 @@ Policy, once per step:
 Prefill and decode share a step; a prompt longer than the remaining budget is prefilled in chunks.
 Prefix caching (the block manager's index): an admitted request starts with the longest prefix of its
 full blocks that is cached under its adapter version (never its last token, which must be computed to
-sample), and computes only the rest. Every block a step fills is keyed as the step is scheduled, so a
+sample, nor prompt tokens whose logprobs it asked for and lacks: their logits must be computed), and
+computes only the rest. Every block a step fills is keyed as the step is scheduled, so a
 request admitted later in the same step (a sibling with the same prompt) already shares it.
 After the step, ``update`` owns every request's progress: the step's keys are committed, computed tokens
 advance, sampled tokens are appended, and a request that hits a stop condition finishes (its blocks and
@@ -107,8 +108,7 @@ class Scheduler:
         for request in list(self.waiting):
             if len(self.running) >= self.config.max_num_seqs or budget <= 0:
                 break
-            # Reuse the cached full blocks of the request's prefix, except the block of its last token.
-            eligible = self._chain(request)[: (request.num_tokens - 1) // self.config.block_size]
+            eligible = self._chain(request)[: self._reusable_tokens(request) // self.config.block_size]
             prefix = self.allocator.match(eligible, request.adapter_id, request.num_tokens)
             start = prefix.hit_tokens
             n = min(request.num_tokens - start, budget)
@@ -132,6 +132,16 @@ class Scheduler:
             admitted.append(ScheduledRequest(request, start, n))
             budget -= n
         return admitted
+
+    @staticmethod
+    def _reusable_tokens(request: Request) -> int:
+        """How many leading tokens of ``request`` may come from the prefix cache: all but the last (it is
+        computed to sample), and with prompt logprobs only the positions already scored (a recomputed
+        request keeps the logprobs it has; the others need their logits)."""
+        reusable = request.num_tokens - 1
+        if request.prompt_logprobs is not None:
+            reusable = min(reusable, len(request.prompt_logprobs) - 1)
+        return reusable
 
     def _rides_along(self, request: Request) -> bool:
         """Whether ``request`` may go ahead of a starving one without delaying it: it needs no adapter, or
