@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.common import machine_line, write_random_adapter
 from loraplex.adapters.peft_format import read_peft_adapter
-from loraplex.engine.kv_cache import BlockAllocator, KVCache
+from loraplex.engine.kv_cache import BlockManager, KVCache
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.models.embedded import embedded_checkpoint
 from loraplex.models.loader import load_model
@@ -81,12 +81,12 @@ def main() -> None:
     fold_ms = (time.perf_counter() - start) * 1e3
     per_seq = (args.context + 80 + block_size) // block_size
     kv = KVCache(cfg, (args.batch + n) * per_seq, block_size, torch.float32, "cpu")
-    allocator = BlockAllocator(kv.num_blocks)
+    allocator = BlockManager(kv.num_blocks, kv.block_size, enable_caching=False)
     runner = ModelRunner(model, kv, block_size)
-    decode = [StepEntry((int(t),), args.context, tuple(allocator.allocate(per_seq)))
+    decode = [StepEntry((int(t),), args.context, tuple(allocator.allocate(per_seq, None)))
               for t in torch.randint(0, cfg.vocab_size, (args.batch,))]
     prefill = [StepEntry(tuple(torch.randint(0, cfg.vocab_size, (32,)).tolist()), 0,
-                         tuple(allocator.allocate(per_seq))) for _ in range(n)]
+                         tuple(allocator.allocate(per_seq, None))) for _ in range(n)]
     shapes = {"decode": (decode, [i % n for i in range(args.batch)]), "prefill": (prefill, list(range(n)))}
     results: dict[str, dict[str, float]] = {}
     with torch.inference_mode():

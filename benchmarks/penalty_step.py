@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from benchmarks.common import machine_line
-from loraplex.engine.kv_cache import BlockAllocator, KVCache
+from loraplex.engine.kv_cache import BlockManager, KVCache
 from loraplex.engine.logits_processors import ProcessorState
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.engine.sampling import sample
@@ -70,9 +70,9 @@ def main() -> None:
     cfg, block_size = model.config, 16
     blocks_per_seq = (args.context + args.iters * 4 + 20 + block_size) // block_size
     kv = KVCache(cfg, args.batch * blocks_per_seq, block_size, torch.float32, "cpu")
-    allocator = BlockAllocator(kv.num_blocks)
+    allocator = BlockManager(kv.num_blocks, kv.block_size, enable_caching=False)
     runner = ModelRunner(model, kv, block_size)
-    tables = [tuple(allocator.allocate(blocks_per_seq)) for _ in range(args.batch)]
+    tables = [tuple(allocator.allocate(blocks_per_seq, None)) for _ in range(args.batch)]
     histories = [[rng.randrange(cfg.vocab_size) for _ in range(args.context + rng.randrange(-10, 10))]
                  for _ in range(args.batch)]
     modes = {"greedy": SamplingParams(temperature=0.0), "sampled": SamplingParams(temperature=0.8, top_p=0.95)}

@@ -9,7 +9,7 @@ import torch
 
 from benchmarks.gpu.layers import decode_batch
 from loraplex.config import ModelConfig
-from loraplex.engine.kv_cache import BlockAllocator, KVCache
+from loraplex.engine.kv_cache import BlockManager, KVCache
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.layers.lora_linear import LoRALinear, use_lora_kernels
 from loraplex.models.llama import LlamaForCausalLM
@@ -53,8 +53,8 @@ def decode_steps(cfg: ModelConfig, adapter_counts: list[int], batch: int, contex
     block_size = 16
     blocks_per_seq = -(-(context + 1) // block_size)
     kv = KVCache(cfg, batch * blocks_per_seq, block_size, dtype, device)
-    allocator = BlockAllocator(kv.num_blocks)
-    entries = [StepEntry((7 + i,), context, tuple(allocator.allocate(blocks_per_seq))) for i in range(batch)]
+    allocator = BlockManager(kv.num_blocks, kv.block_size, enable_caching=False)
+    entries = [StepEntry((7 + i,), context, tuple(allocator.allocate(blocks_per_seq, None))) for i in range(batch)]
     runner = ModelRunner(model, kv, block_size)
     linears = [m for m in model.modules() if isinstance(m, LoRALinear)]
     use_lora_kernels(model, "triton", batch)
