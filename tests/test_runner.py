@@ -17,10 +17,21 @@ from loraplex.engine.runner import ModelRunner, StepEntry, prepare_step
 from loraplex.errors import AdapterRankTooLarge, AdapterShapeMismatch, UnsupportedAdapter
 from loraplex.layers.attention import paged_attention
 from loraplex.models.loader import load_model
+from loraplex.ops import cpu_kernels
 from loraplex.ops.lora_batch import BatchMapping, build_lora_batch
 from tests.conftest import make_adapters
 from tests.fixtures import tiny_config
 from tests.model_harness import ShuffledBlocks, assert_logits_close, greedy, hf_logits, make_runner, random_prompts
+
+
+def use_decode_path(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """"kernel": the CPU kernels must be built and used (skipped without AVX2); "gather": the torch ops."""
+    if path == "gather":
+        monkeypatch.setattr(cpu_kernels, "for_tensors", lambda *tensors: None)
+    elif torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("no AVX2: the torch ops serve every case")
+    else:
+        assert cpu_kernels.kernels() is not None
 
 
 def hf_model(base: Path, adapter: Path | None) -> torch.nn.Module:
@@ -28,12 +39,16 @@ def hf_model(base: Path, adapter: Path | None) -> torch.nn.Module:
     return model if adapter is None else PeftModel.from_pretrained(model, str(adapter)).eval()
 
 
+@pytest.mark.parametrize("decode_path", ["kernel", "gather"])
 @pytest.mark.parametrize(("window", "scale", "decode_blocks"), [(None, None, 3), (3, 0.3, 2), (6, None, 2)])
-def test_paged_attention_matches_float64_loop(window: int | None, scale: float | None, decode_blocks: int) -> None:
+def test_paged_attention_matches_float64_loop(window: int | None, scale: float | None, decode_blocks: int,
+                                              decode_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Attention alone, on random q/k/v and cache contents: decodes (non-contiguous rows), a fresh
     prompt and continuing chunks, GQA with 3 query heads per K/V head, full or sliding-window (keys at
     positions (p - W, p]: a fresh prompt longer than W, chunks across the window's edge, a decode whose
-    window skips blocks), default or explicit scale, vs a float64 per-token loop."""
+    window skips blocks), default or explicit scale, vs a float64 per-token loop; decodes through the CPU
+    kernel that reads the cache in place and through the gather path."""
+    use_decode_path(decode_path, monkeypatch)
     raw = tiny_config("mistral", hidden_size=48, num_attention_heads=6, num_key_value_heads=2,
                       sliding_window=window).to_dict()
     cfg = ModelConfig.from_hf(raw)
@@ -44,7 +59,7 @@ def test_paged_attention_matches_float64_loop(window: int | None, scale: float |
                StepEntry((1,) * 5, 3, (1, 10)), StepEntry((1,), 4, (5, 3)), StepEntry((1,) * 3, 9, (6, 8, 12))]
     step = prepare_step(entries, bs, cfg, torch.float32, torch.device("cpu"))
     # a sliding layer gathers only the blocks its window reaches (the decode at position 9: blocks 1-2)
-    assert step.attn.plan(window).decode_bias.shape[-1] == decode_blocks * bs
+    assert step.attn.plan(window).decode.gather[1].shape[-1] == decode_blocks * bs
     t = step.attn.num_tokens
     q, k, v = (torch.randn(t, n, d, generator=g) for n in (heads, kv_heads, kv_heads))
     cache = torch.randn(13, 2, kv_heads, bs, d, generator=g)  # [blocks, K/V, KV, block_size, d]

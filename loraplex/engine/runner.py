@@ -18,7 +18,7 @@ import torch
 
 from loraplex.config import ModelConfig
 from loraplex.engine.kv_cache import KVCache
-from loraplex.layers.attention import AttentionMetadata, ContextPlan, PrefillSpan
+from loraplex.layers.attention import AttentionMetadata, ContextPlan, DecodeKeys, PrefillSpan, block_rows
 from loraplex.ops.lora_batch import LoRABatch
 
 
@@ -46,13 +46,6 @@ class StepInputs:
     attn: AttentionMetadata
 
 
-def _block_rows(tables: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Block rows of each (K/V, head, block): ``tables [..., n]`` -> ``[2, ..., KV, n]`` with
-    ``row = (block * 2 + kv) * KV + head`` (the cache viewed as ``[blocks * 2 * KV, block_size * d]``)."""
-    base = tables.unsqueeze(-2) * 2  # [..., 1, n]
-    return torch.stack((base, base + 1)) * kv_heads + torch.arange(kv_heads)[:, None]
-
-
 def _validate(entries: Sequence[StepEntry], block_size: int, vocab_size: int) -> list[int]:
     """Check every entry; return the tokens of the flat batch."""
     if not entries:
@@ -70,23 +63,13 @@ def _validate(entries: Sequence[StepEntry], block_size: int, vocab_size: int) ->
     return flat
 
 
-def _decode_plan(
-    decode: list[int], tables: torch.Tensor, starts: list[int], block_size: int, kv_heads: int,
-    window: int | None, dtype: torch.dtype, device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V block rows and bias of the one-token entries ``decode`` under ``window``: each sequence's
-    blocks from the first one its window reaches (block 0 when full), padded to the longest run."""
-    ctx = torch.tensor([starts[i] + 1 for i in decode])  # [S_d] context length incl. the new token
-    first = (ctx - window).clamp(min=0) if window is not None else torch.zeros_like(ctx)  # [S_d] first key
-    lo = first // block_size  # [S_d] first block read
-    num_blocks = int(((ctx - 1) // block_size - lo).max()) + 1
-    block_idx = (lo[:, None] + torch.arange(num_blocks)).clamp(max=tables.shape[1] - 1)  # [S_d, blocks]
-    kv_rows = _block_rows(tables[decode].gather(1, block_idx), kv_heads)  # [2, S_d, KV, blocks]
-    pos = lo[:, None] * block_size + torch.arange(num_blocks * block_size)  # [S_d, max_ctx] key positions
-    hidden = (pos >= ctx[:, None]) | (pos < first[:, None])  # [S_d, max_ctx] padding or outside the window
-    bias = torch.zeros(len(decode), kv_heads, 1, pos.shape[1], dtype=dtype)
-    bias.masked_fill_(hidden[:, None, None, :], float("-inf"))
-    return kv_rows.flatten().to(device), bias.view(len(decode) * kv_heads, 1, -1).to(device)
+def _decode_keys(decode: list[int], tables: torch.Tensor, starts: list[int], block_size: int, kv_heads: int,
+                 window: int | None, dtype: torch.dtype, device: torch.device) -> DecodeKeys:
+    """The keys the one-token entries ``decode`` read under ``window``: positions from the first one the
+    window reaches (0 when full) to the new token's."""
+    end = torch.tensor([starts[i] + 1 for i in decode])  # [S_d] context length incl. the new token
+    first = (end - window).clamp(min=0) if window is not None else torch.zeros_like(end)  # [S_d]
+    return DecodeKeys(tables[decode], first, end, block_size, kv_heads, dtype, device)
 
 
 def _prefill_span(rows: slice, start: int, table: torch.Tensor, block_size: int, kv_heads: int,
@@ -102,7 +85,7 @@ def _prefill_span(rows: slice, start: int, table: torch.Tensor, block_size: int,
     if start > 0:
         first_block = max(0, start - window + 1) // block_size if window is not None else 0
         last_block = -(-(start + n) // block_size)
-        context_rows = _block_rows(table[first_block:last_block], kv_heads).flatten().to(device)  # [2*KV*blocks]
+        context_rows = block_rows(table[first_block:last_block], kv_heads).flatten().to(device)  # [2*KV*blocks]
     k_pos = first_block * block_size + torch.arange(start + n - first_block * block_size)  # [ctx]
     mask = k_pos[None, :] <= q_pos[:, None]  # [n, ctx]
     if window is not None:
@@ -113,13 +96,10 @@ def _prefill_span(rows: slice, start: int, table: torch.Tensor, block_size: int,
 def _context_plan(window: int | None, lens: list[int], starts: list[int], cu: list[int], decode: list[int],
                   tables: torch.Tensor, block_size: int, kv_heads: int, dtype: torch.dtype,
                   device: torch.device) -> ContextPlan:
-    decode_kv_rows = decode_bias = None
-    if decode:
-        decode_kv_rows, decode_bias = _decode_plan(decode, tables, starts, block_size, kv_heads, window, dtype,
-                                                   device)
+    keys = _decode_keys(decode, tables, starts, block_size, kv_heads, window, dtype, device) if decode else None
     prefills = tuple(_prefill_span(slice(cu[i], cu[i + 1]), starts[i], tables[i], block_size, kv_heads, window,
                                    device) for i, n in enumerate(lens) if n > 1)
-    return ContextPlan(window, decode_kv_rows, decode_bias, prefills)
+    return ContextPlan(window, keys, prefills)
 
 
 def prepare_step(entries: Sequence[StepEntry], block_size: int, model_config: ModelConfig, dtype: torch.dtype,
@@ -139,7 +119,7 @@ def prepare_step(entries: Sequence[StepEntry], block_size: int, model_config: Mo
     kv_heads = model_config.num_kv_heads
     blocks = tables[entry_of, positions // block_size]  # [T]
     # token rows of the cache viewed as [blocks * 2 * KV * block_size, d], ordered [2, T, KV]
-    write_rows = _block_rows(blocks[:, None], kv_heads)[..., 0] * block_size + (positions % block_size)[:, None]
+    write_rows = block_rows(blocks[:, None], kv_heads)[..., 0] * block_size + (positions % block_size)[:, None]
 
     decode = [i for i, n in enumerate(lens) if n == 1]
     decode_rows = None

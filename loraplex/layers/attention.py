@@ -6,24 +6,29 @@ head) and *block rows* ``[num_blocks * 2 * KV, block_size * d]`` (one head's who
 
 The runner builds one ``AttentionMetadata`` per step; every layer reuses it. It holds one
 ``ContextPlan`` per distinct attention window of the model's layers (``None`` = full attention; a
-window W lets position p see keys at positions ``(p - W, p]``), so a sliding layer gathers only the
+window W lets position p see keys at positions ``(p - W, p]``), so a sliding layer reads only the
 blocks its window overlaps. Entries that compute one token (decodes, and one-token prompts) are
-batched into one attention per layer: a single index op gathers every such sequence's K and V block
-rows, already head-major, padded to the longest; then two batched GEMMs do GQA attention with the
-G = H / KV query heads of a K/V head as the rows of one small GEMM (each K/V row is read once); an
-additive 0/-inf bias hides the padding and what lies outside the window. Entries with several tokens
-(prefills or prefill chunks) each get their own SDPA call: a fresh prompt (start 0) attends to its own
-new K/V directly (causal, or with a windowed mask once it is longer than the window), a chunk that
-continues a sequence gathers its context's block rows with an offset (and windowed) mask.
+batched into one attention per layer. On a CPU with the step kernels (``loraplex.ops.cpu_kernels``,
+float32) it reads each sequence's K/V blocks in place, with no copy; elsewhere a single index op
+gathers every such sequence's K and V block rows, already head-major, padded to the longest, then two
+batched GEMMs do GQA attention with the G = H / KV query heads of a K/V head as the rows of one small
+GEMM (each K/V row is read once), and an additive 0/-inf bias hides the padding and what lies outside
+the window. Entries with several tokens (prefills or prefill chunks) each get their own SDPA call: a
+fresh prompt (start 0) attends to its own new K/V directly (causal, or with a windowed mask once it is
+longer than the window), a chunk that continues a sequence gathers its context's block rows with an
+offset (and windowed) mask.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
+
+from loraplex.ops import cpu_kernels
 
 
 def kv_cache_shape(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int) -> tuple[int, ...]:
@@ -46,15 +51,50 @@ class PrefillSpan:
     mask: torch.Tensor | None
 
 
+def block_rows(tables: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Block rows of each (K/V, head, block): ``tables [..., n]`` -> ``[2, ..., KV, n]`` with
+    ``row = (block * 2 + kv) * KV + head`` (the cache viewed as ``[blocks * 2 * KV, block_size * d]``)."""
+    base = tables.unsqueeze(-2) * 2  # [..., 1, n]
+    return torch.stack((base, base + 1)) * kv_heads + torch.arange(kv_heads, device=tables.device)[:, None]
+
+
+@dataclass(frozen=True)
+class DecodeKeys:
+    """The cached keys the one-token entries read under one window: sequence s reads positions
+    ``[first[s], end[s])`` through its block table. Index tensors live on the CPU (the kernels read them
+    there); the gather path's rows and bias are derived once, on first use, on ``device``."""
+
+    block_tables: torch.Tensor  # [S_d, max_blocks] int64 physical block of each logical one (padding: 0)
+    first: torch.Tensor  # [S_d] int64 first key position inside the window
+    end: torch.Tensor  # [S_d] int64 the new token's position + 1
+    block_size: int
+    kv_heads: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @cached_property
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, bias)``: block rows ``[2 * S_d * KV * blocks]`` ordered (K/V, sequence, head, block) from
+        each sequence's first block in the window (padding blocks: arbitrary valid ones), and the additive
+        bias ``[S_d * KV, 1, blocks * block_size]`` (0 = attend, -inf = padding or outside the window)."""
+        bs, seqs = self.block_size, self.first.shape[0]
+        lo = self.first // bs  # [S_d] first block read
+        num_blocks = int(((self.end - 1) // bs - lo).max()) + 1
+        block_idx = (lo[:, None] + torch.arange(num_blocks)).clamp(max=self.block_tables.shape[1] - 1)
+        rows = block_rows(self.block_tables.gather(1, block_idx), self.kv_heads)  # [2, S_d, KV, blocks]
+        pos = lo[:, None] * bs + torch.arange(num_blocks * bs)  # [S_d, blocks * bs] key positions
+        hidden = (pos >= self.end[:, None]) | (pos < self.first[:, None])
+        bias = torch.zeros(seqs, self.kv_heads, 1, pos.shape[1], dtype=self.dtype)
+        bias.masked_fill_(hidden[:, None, None, :], float("-inf"))
+        return rows.flatten().to(self.device), bias.view(seqs * self.kv_heads, 1, -1).to(self.device)
+
+
 @dataclass(frozen=True)
 class ContextPlan:
     """Which cached keys the step's queries read under one attention window (None = full)."""
 
     window: int | None
-    # [2 * S_d * KV * max_blocks] block rows, ordered (K/V, sequence, head, block), from each sequence's
-    # first block in the window; padding blocks are arbitrary valid ones
-    decode_kv_rows: torch.Tensor | None
-    decode_bias: torch.Tensor | None  # [S_d * KV, 1, max_blocks * block_size] 0 = attend, -inf = not
+    decode: DecodeKeys | None  # the one-token entries' keys (None when there are none)
     prefills: tuple[PrefillSpan, ...]
 
 
@@ -80,18 +120,23 @@ class AttentionMetadata:
         return self.plans[window]
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: ContextPlan, scale: float) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, keys: DecodeKeys, scale: float) -> torch.Tensor:
     """One-token entries: ``q [S_d, H, d]`` -> ``[S_d, H, d]``.
 
     Semantics, per sequence s and K/V head k with query heads ``g = k*G .. k*G+G-1``:
-    ``scores = scale * q[s, g] @ K[s, k]^T + bias[s, k]``, ``out[s, g] = softmax(scores) @ V[s, k]``,
-    with K/V ``[max_blocks * block_size, d]`` gathered by ``plan.decode_kv_rows``.
+    ``scores = scale * q[s, g] @ K[s, k]^T``, ``out[s, g] = softmax(scores) @ V[s, k]``, over the keys at
+    positions ``[keys.first[s], keys.end[s])``: read in place by the CPU kernel, else gathered
+    (``keys.gather``: padded to the longest, the bias hiding the padding).
     """
+    kernels = cpu_kernels.for_tensors(q, kv_cache)
+    if kernels is not None:
+        return kernels.paged_decode_attention(q, kv_cache, keys.block_tables, keys.first, keys.end, scale)
     s_d, heads, d = q.shape
     kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
-    kv = kv_cache.view(-1, block_size * d).index_select(0, plan.decode_kv_rows).view(2, s_d * kv_heads, -1, d)
+    rows, bias = keys.gather
+    kv = kv_cache.view(-1, block_size * d).index_select(0, rows).view(2, s_d * kv_heads, -1, d)
     scores = torch.baddbmm(  # [S_d * KV, G, max_ctx]
-        plan.decode_bias, q.reshape(s_d * kv_heads, heads // kv_heads, d), kv[0].transpose(1, 2), alpha=scale
+        bias, q.reshape(s_d * kv_heads, heads // kv_heads, d), kv[0].transpose(1, 2), alpha=scale
     )
     return torch.bmm(scores.softmax(-1), kv[1]).view(s_d, heads, d)
 
@@ -130,7 +175,7 @@ def paged_attention(
     decoded = None
     if attn.decode_rows is not None:
         q_d = q[attn.decode_rows] if isinstance(attn.decode_rows, slice) else q.index_select(0, attn.decode_rows)
-        decoded = _decode_attention(q_d, kv_cache, plan, scale)
+        decoded = _decode_attention(q_d, kv_cache, plan.decode, scale)
         if attn.all_decode:
             return decoded
     out = q.new_empty(t, heads, d)  # [T, H, d]

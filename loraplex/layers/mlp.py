@@ -11,6 +11,7 @@ from torch import nn
 
 from loraplex.errors import ModelError
 from loraplex.layers.lora_linear import LoRALinear
+from loraplex.ops import cpu_kernels
 from loraplex.ops.lora_batch import LoRABatch
 
 # HF ``hidden_act`` / ``hidden_activation`` names -> the function HF's ACT2FN maps them to
@@ -31,7 +32,8 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 class GatedMLP(nn.Module):
     """Semantics: ``y = down_proj(act(g) * u)`` with ``[g, u] = gate_up_proj(x)`` split in halves.
-    Shapes: x ``[T, hidden]`` -> ``[T, hidden]``; ``gate_up_proj`` is ``hidden -> 2 I``."""
+    Shapes: x ``[T, hidden]`` -> ``[T, hidden]``; ``gate_up_proj`` is ``hidden -> 2 I``. SiLU's
+    ``act(g) * u`` runs as one CPU kernel for float32 (``loraplex.ops.cpu_kernels``)."""
 
     def __init__(self, gate_up_proj: LoRALinear, down_proj: LoRALinear, hidden_act: str) -> None:
         super().__init__()
@@ -41,4 +43,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, lora)  # [T, 2I]
+        kernels = cpu_kernels.for_tensors(gate_up) if self.act is F.silu else None
+        if kernels is not None:
+            return self.down_proj(kernels.silu_mul(gate_up), lora)
         return self.down_proj(self.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], lora)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loraplex.ops import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     """Semantics: ``y = (offset + weight) * (x / sqrt(mean(x^2, -1) + eps))`` over the last dimension,
     computed in float32 as HF does. ``offset`` is 0 for Llama-style norms and 1 for Gemma's, whose
     checkpoints store ``weight - 1`` (HF then multiplies in float32 before casting; Llama casts first).
-    Shapes: x ``[..., hidden]`` -> same shape and dtype."""
+    Shapes: x ``[..., hidden]`` -> same shape and dtype. Rows ``[T, hidden]`` in float32 on a CPU run
+    as one kernel (``loraplex.ops.cpu_kernels``), the same arithmetic in one pass."""
 
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device | str,
                  offset: float = 0.0) -> None:
@@ -20,6 +23,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = cpu_kernels.for_tensors(x) if x.dim() == 2 and x.stride(-1) == 1 else None
+        if kernels is not None:
+            return kernels.rms_norm(x, self.weight, self.eps, self.offset)
         x32 = x.float()  # no copy for float32
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from loraplex.config import ModelConfig, RopeScaling
+from loraplex.ops import cpu_kernels
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -124,8 +125,13 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Semantics: ``out = x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``
-    (HF's convention), computed as ``x * cos + cat(x2, x1) * signed_sin``.
-    Shapes: x ``[T, heads, d]``, cos/signed_sin ``[T, 1, d]`` -> ``[T, heads, d]`` (new tensor)."""
+    (HF's convention), computed as ``x * cos + cat(x2, x1) * signed_sin`` (one CPU kernel for float32,
+    ``loraplex.ops.cpu_kernels``). Shapes: x ``[T, heads, d]``, cos/signed_sin ``[T, 1, d]`` -> ``[T, heads, d]``
+    (new tensor)."""
+    contiguous = x.stride(-1) == 1 and cos.is_contiguous() and signed_sin.is_contiguous()
+    kernels = cpu_kernels.for_tensors(x, cos, signed_sin) if contiguous else None
+    if kernels is not None:
+        return kernels.rotary(x, cos, signed_sin)
     t, heads, d = x.shape
     swapped = x.view(t, heads, 2, d // 2).flip(2).view(t, heads, d)  # cat(x2, x1)
     return torch.addcmul(x * cos, swapped, signed_sin)

@@ -1,0 +1,52 @@
+"""The decode step's non-matmul work as a few C++ kernels for x86 CPUs with AVX2 (float32).
+
+- ``paged_decode_attention(q, cache, tables, first, end, scale)``: one-token attention that reads the
+  paged KV cache in place, block by block (``paged_attention.cpp``): no gather copy of K/V.
+- ``rms_norm(x, weight, eps, offset)``, ``silu_mul(gate_up)``, ``rotary(x, cos, signed_sin)``: one pass per
+  row each (``fused_pointwise.cpp``), where torch runs three to six ops.
+
+Each one's ``Semantics:`` is in its C++ source; the torch code it replaces (``loraplex.layers``) stays
+as the path for every other case (CUDA, other dtypes, no compiler), and tests hold both to float64
+references. The module is built from the sources with the system compiler by
+``torch.utils.cpp_extension`` at first use and cached (``make install`` builds it once); where it
+cannot be built, ``kernels()`` logs why once and returns None.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "paged_attention.cpp",
+                                                        "fused_pointwise.cpp")]
+# AVX2 + FMA, ATen's vectorised exp (Vectorized<float> at that capability), and no implicit fused
+# multiply-adds: the pointwise kernels round as the torch ops they replace do.
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-ffp-contract=off"]
+
+
+@functools.cache
+def kernels() -> ModuleType | None:
+    """The compiled module, or None where it cannot be built or run (no AVX2, no compiler; logged once)."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name="loraplex_cpu_kernels", sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS,
+                    verbose=False)
+    except Exception as e:  # no compiler, no headers, ...: the torch ops stay correct
+        logger.warning("CPU step kernels unavailable (%s); the torch ops run instead", e)
+        return None
+
+
+def for_tensors(*tensors: torch.Tensor) -> ModuleType | None:
+    """The kernels when every tensor is a float32 CPU tensor and they are built; else None."""
+    if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+        return kernels()
+    return None

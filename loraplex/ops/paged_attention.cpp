@@ -1,0 +1,201 @@
+// Decode attention that reads the paged KV cache in place (built with cpu_kernels.cpp by loraplex/ops/cpu_kernels.py).
+//
+// Semantics, for each sequence s and K/V head k with query heads g = k*G .. k*G+G-1 (G = H / KV), over the
+// keys at positions p in [first[s], end[s]), found at block tables[s, p / bs], offset p % bs:
+//   scores[g, p] = scale * q[s, g] . K[p],   out[s, g] = softmax_p(scores[g]) @ V[p]
+// q [S, H, d] float32 (any row strides, unit inner stride), cache [N, 2, KV, bs, d] float32 contiguous,
+// tables [S, max_blocks] int64, first/end [S] int64 -> out [S, H, d].
+//
+// Nothing is gathered: each (sequence, K/V head) walks its blocks, where the head's K (then V) rows of a
+// block are one contiguous bs * d run; the next block is prefetched while one is computed (random 4 KiB
+// runs defeat the hardware prefetcher). Scores take P keys x the G heads in registers (each K row is
+// loaded once for all G heads); values accumulate 16 floats of d at a time for all G heads. Every
+// (sequence, head) is summed in the same order whatever the rest of the batch: results are batch-independent.
+#include <immintrin.h>
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int kMaxHeads = 4;  // query heads computed together (more are done in chunks of 4)
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+inline void prefetch(const float* p, int64_t floats) {
+  for (int64_t i = 0; i < floats; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+}
+
+// scores[g * n + j] = scale * q[g] . k[j] for NG heads (rows of q, stride qs) and P keys (rows of k, stride d)
+template <int NG, int P>
+inline void score_tile(const float* q, int64_t qs, const float* k, int64_t d, float scale, float* scores, int64_t n) {
+  __m256 acc[P][NG];
+#pragma GCC unroll 4
+  for (int j = 0; j < P; ++j)
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; ++g) acc[j][g] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    __m256 qv[NG];
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; ++g) qv[g] = _mm256_loadu_ps(q + g * qs + i);
+#pragma GCC unroll 4
+    for (int j = 0; j < P; ++j) {
+      const __m256 kv = _mm256_loadu_ps(k + j * d + i);
+#pragma GCC unroll 4
+      for (int g = 0; g < NG; ++g) acc[j][g] = _mm256_fmadd_ps(qv[g], kv, acc[j][g]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < P; ++j)
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; ++g) {
+      float s = hsum(acc[j][g]);
+      for (int64_t t = i; t < d; ++t) s += q[g * qs + t] * k[j * d + t];
+      scores[g * n + j] = s * scale;
+    }
+}
+
+// scores for m consecutive keys of one block, P at a time (P keys x NG heads fit the 16 vector registers)
+template <int NG>
+inline void score_rows(const float* q, int64_t qs, const float* k, int64_t m, int64_t d, float scale, float* scores,
+                       int64_t n) {
+  constexpr int P = NG <= 2 ? 4 : (NG == 3 ? 3 : 2);
+  int64_t j = 0;
+  for (; j + P <= m; j += P) score_tile<NG, P>(q, qs, k + j * d, d, scale, scores + j, n);
+  for (; j < m; ++j) score_tile<NG, 1>(q, qs, k + j * d, d, scale, scores + j, n);
+}
+
+// acc[g * d + i] += sum_j w[g * n + j] * v[j * d + i] over m consecutive value rows, NG heads
+template <int NG>
+inline void value_rows(const float* w, int64_t n, const float* v, int64_t m, int64_t d, float* acc) {
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    __m256 a[NG][2];
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; ++g) {
+      a[g][0] = _mm256_loadu_ps(acc + g * d + i);
+      a[g][1] = _mm256_loadu_ps(acc + g * d + i + 8);
+    }
+    for (int64_t j = 0; j < m; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(v + j * d + i), v1 = _mm256_loadu_ps(v + j * d + i + 8);
+#pragma GCC unroll 4
+      for (int g = 0; g < NG; ++g) {
+        const __m256 wg = _mm256_broadcast_ss(w + g * n + j);
+        a[g][0] = _mm256_fmadd_ps(wg, v0, a[g][0]);
+        a[g][1] = _mm256_fmadd_ps(wg, v1, a[g][1]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; ++g) {
+      _mm256_storeu_ps(acc + g * d + i, a[g][0]);
+      _mm256_storeu_ps(acc + g * d + i + 8, a[g][1]);
+    }
+  }
+  for (; i < d; ++i)
+    for (int64_t j = 0; j < m; ++j)
+      for (int g = 0; g < NG; ++g) acc[g * d + i] += w[g * n + j] * v[j * d + i];
+}
+
+struct Cache {
+  const float* data;
+  const int64_t* table;  // this sequence's block table
+  int64_t kv_heads, block_size, d;
+  // the first of the block_size rows of K (kv = 0) or V (kv = 1) of head h in logical block b
+  const float* rows(int64_t b, int kv, int64_t h) const {
+    return data + ((table[b] * 2 + kv) * kv_heads + h) * block_size * d;
+  }
+};
+
+// NG query heads of one sequence against K/V head h, keys [lo, hi): out rows at stride os
+template <int NG>
+void attend(const float* q, int64_t qs, const Cache& c, int64_t h, int64_t lo, int64_t hi, float scale,
+            float* scores, float* acc, float* out, int64_t os) {
+  const int64_t n = hi - lo, bs = c.block_size, d = c.d, last = (hi - 1) / bs;
+  prefetch(c.rows(lo / bs, 0, h), bs * d);
+  for (int64_t p = lo; p < hi;) {
+    const int64_t b = p / bs, stop = std::min(hi, (b + 1) * bs);
+    prefetch(b < last ? c.rows(b + 1, 0, h) : c.rows(lo / bs, 1, h), bs * d);
+    score_rows<NG>(q, qs, c.rows(b, 0, h) + (p % bs) * d, stop - p, d, scale, scores + (p - lo), n);
+    p = stop;
+  }
+  float inv_sum[NG];
+  for (int g = 0; g < NG; ++g) {
+    float* row = scores + g * n;
+    const float top = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, row, n);
+    at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, row, row, n);
+    inv_sum[g] = 1.0f / at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, row, n);
+  }
+  std::fill(acc, acc + NG * d, 0.0f);
+  for (int64_t p = lo; p < hi;) {
+    const int64_t b = p / bs, stop = std::min(hi, (b + 1) * bs);
+    if (b < last) prefetch(c.rows(b + 1, 1, h), bs * d);
+    value_rows<NG>(scores + (p - lo), n, c.rows(b, 1, h) + (p % bs) * d, stop - p, d, acc);
+    p = stop;
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int64_t i = 0; i < d; ++i) out[g * os + i] = acc[g * d + i] * inv_sum[g];
+}
+
+using AttendFn = void (*)(const float*, int64_t, const Cache&, int64_t, int64_t, int64_t, float, float*, float*,
+                          float*, int64_t);
+constexpr AttendFn kAttend[kMaxHeads + 1] = {nullptr, attend<1>, attend<2>, attend<3>, attend<4>};
+
+}  // namespace
+
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
+                                     const torch::Tensor& first, const torch::Tensor& end, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.stride(2) == 1 && q.device().is_cpu(),
+              "paged_decode_attention: q must be a CPU float32 [S, H, d] tensor with unit inner stride");
+  TORCH_CHECK(cache.dim() == 5 && cache.size(1) == 2 && cache.scalar_type() == torch::kFloat && cache.is_contiguous(),
+              "paged_decode_attention: cache must be a contiguous float32 [N, 2, KV, bs, d] tensor");
+  const int64_t seqs = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t num_blocks = cache.size(0), kv_heads = cache.size(2), bs = cache.size(3);
+  TORCH_CHECK(cache.size(4) == d && heads % kv_heads == 0, "paged_decode_attention: q and cache shapes disagree");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == seqs && tables.scalar_type() == torch::kLong &&
+                  tables.is_contiguous(), "paged_decode_attention: tables must be contiguous int64 [S, max_blocks]");
+  TORCH_CHECK(first.numel() == seqs && end.numel() == seqs && first.scalar_type() == torch::kLong &&
+                  end.scalar_type() == torch::kLong && first.is_contiguous() && end.is_contiguous(),
+              "paged_decode_attention: first and end must be contiguous int64 [S]");
+  const int64_t group = heads / kv_heads, max_blocks = tables.size(1);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* fp = first.data_ptr<int64_t>();
+  const int64_t* ep = end.data_ptr<int64_t>();
+  for (int64_t s = 0; s < seqs; ++s) {  // validate every block the kernel will read before reading any
+    TORCH_CHECK(0 <= fp[s] && fp[s] < ep[s] && ep[s] <= max_blocks * bs,
+                "paged_decode_attention: sequence ", s, " reads keys [", fp[s], ", ", ep[s], ") outside its table");
+    for (int64_t b = fp[s] / bs; b <= (ep[s] - 1) / bs; ++b) {
+      TORCH_CHECK(0 <= tp[s * max_blocks + b] && tp[s * max_blocks + b] < num_blocks,
+                  "paged_decode_attention: block id out of range");
+    }
+  }
+  auto out = torch::empty({seqs, heads, d}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* cp = cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t stop) {
+    std::vector<float> scores, acc(kMaxHeads * d);
+    for (int64_t item = begin; item < stop; ++item) {
+      const int64_t s = item / kv_heads, h = item % kv_heads;
+      const Cache c{cp, tp + s * max_blocks, kv_heads, bs, d};
+      scores.resize(kMaxHeads * (ep[s] - fp[s]));
+      for (int64_t g0 = 0; g0 < group; g0 += kMaxHeads) {
+        const int64_t ng = std::min<int64_t>(kMaxHeads, group - g0);
+        kAttend[ng](qp + s * qs0 + (h * group + g0) * qs1, qs1, c, h, fp[s], ep[s], sc, scores.data(), acc.data(),
+                    op + (s * heads + h * group + g0) * d, d);
+      }
+    }
+  });
+  return out;
+}
