@@ -3,11 +3,16 @@
 The floor is a loop of ``F.linear`` over the model's weights (q/k/v and gate/up packed, as the model
 runs them) for the same 32 tokens, plus the lm_head; ``packed_gemm_floor_ms`` is the same loop with
 loraplex's oneDNN-packed weights (``loraplex.ops.dense``). Everything else the step does (embedding,
-norms, rotary, KV writes and gathers, attention, metadata) is overhead. All are timed interleaved in
-one run (this host drifts 20-50 % between runs). Prints a table; ``--out PATH`` writes JSON
-(``decode_step_ms``, ``gemm_floor_ms``, ``packed_gemm_floor_ms``).
+norms, rotary, KV writes, attention, metadata) is overhead. All are timed interleaved in one run (this
+host drifts 20-50 % between runs). ``--adapters N`` adds the same step with N rank-16 adapters on all
+seven projections (token i reads adapter i % N; ``--sorted``: tokens grouped by slot), its LoRA part
+(``lora_ms`` = that step - the base step) and the LoRA part's byte floor: the adapters' bytes over the
+read bandwidth of this machine measured in the same run (a sum over 256 MB). ``--clock cpu`` times with
+``time.process_time`` (steady on a busy host; use it with ``--threads 1``); ``--breakdown`` prints where
+each step's CPU time goes (``benchmarks/step_breakdown.py``). Prints tables; ``--out PATH`` writes JSON.
 
-    .venv/bin/python benchmarks/decode_step.py [--batch 32] [--context 100] [--iters 10]
+    python -m benchmarks.decode_step [--batch 32] [--context 100] [--iters 10] [--threads 2]
+        [--clock wall|cpu] [--adapters N [--sorted]] [--breakdown] [--out PATH]
 """
 
 from __future__ import annotations
@@ -18,14 +23,45 @@ import os
 import platform
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 
 from benchmarks.common import matmul_floors
+from benchmarks.step_breakdown import step_breakdown
 from loraplex.engine.kv_cache import BlockManager, KVCache
 from loraplex.engine.runner import ModelRunner, StepEntry
+from loraplex.models.base import CausalLM
 from loraplex.models.embedded import embedded_checkpoint
 from loraplex.models.loader import load_model
+from loraplex.ops.lora_batch import BatchMapping, LoRABatch, build_lora_batch
+
+RANK = 16
+
+
+def write_adapters(model: CausalLM, count: int) -> int:
+    """Random rank-16 adapters on every projection into slots ``0..count-1``; returns one adapter's bytes."""
+    gen = torch.Generator().manual_seed(0)
+    nbytes = 0
+    for slot in range(count):
+        modules = {(layer, name): (torch.randn(RANK, p.in_features, generator=gen) / p.in_features**0.5,
+                                   torch.randn(p.out_features, RANK, generator=gen) * 0.09)
+                   for layer in range(model.config.num_layers) for name, p in model.config.projections().items()}
+        model.set_slot(slot, SimpleNamespace(modules=modules))
+        nbytes = sum(a.nbytes + b.nbytes for a, b in modules.values())
+    return nbytes
+
+
+def lora_batch(batch: int, adapters: int, grouped: bool) -> LoRABatch:
+    """Token i reads adapter i % adapters (i * adapters // batch when ``grouped``: sorted by slot)."""
+    ids = [i * adapters // batch if grouped else i % adapters for i in range(batch)]
+    return build_lora_batch(BatchMapping(tuple(ids)), {a: a for a in range(adapters)}, 0)
+
+
+def read_bandwidth_loop() -> tuple[int, callable]:
+    """A read of 256 MB (a sum: memory-bound), to turn bytes into a floor in ms on this machine now."""
+    buffer = torch.ones(64 * 2**20)
+    return buffer.nbytes, lambda: buffer.sum()
 
 
 def main() -> None:
@@ -34,11 +70,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=100)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    parser.add_argument("--adapters", type=int, default=0)
+    parser.add_argument("--sorted", action="store_true", help="tokens grouped by slot (with --adapters)")
+    parser.add_argument("--breakdown", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = load_model(embedded_checkpoint(), None, 4, 16, torch.float32, "cpu")
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    model = load_model(embedded_checkpoint(), None, max(4, args.adapters), RANK, torch.float32, "cpu")
     cfg, block_size = model.config, 16
     blocks_per_seq = (args.context + 10 + block_size) // block_size
     kv = KVCache(cfg, args.batch * blocks_per_seq, block_size, torch.float32, "cpu")
@@ -50,27 +91,50 @@ def main() -> None:
     tokens = torch.randint(0, cfg.vocab_size, (args.batch,)).tolist()
     entries = [StepEntry((tok,), s, t) for tok, s, t in zip(tokens, starts, tables, strict=True)]
     runner = ModelRunner(model, kv, block_size)
-    loops = {"decode_step": lambda: runner.execute(entries, None), **matmul_floors(model, args.batch)}
+    steps = {"decode_step": lambda: runner.execute(entries, None)}
+    if args.adapters:
+        adapter_bytes = write_adapters(model, args.adapters)
+        mixed = lora_batch(args.batch, args.adapters, args.sorted)
+        steps["decode_step_lora"] = lambda: runner.execute(entries, mixed)
+    read_bytes, read_loop = read_bandwidth_loop()
+    loops = {**steps, **matmul_floors(model, args.batch), "read_256MB": read_loop}
     times: dict[str, list[float]] = {name: [] for name in loops}
     with torch.inference_mode():
         for i in range(args.iters + 2):
             for name, loop in loops.items():
-                start = time.perf_counter()
+                start = clock()
                 loop()
                 if i >= 2:  # warm-up
-                    times[name].append((time.perf_counter() - start) * 1e3)
-    result = {"batch": args.batch, "context": args.context, "threads": args.threads,
+                    times[name].append((clock() - start) * 1e3)
+        breakdowns = {name: step_breakdown(step, args.iters) for name, step in steps.items()} if args.breakdown else {}
+    result = {"batch": args.batch, "context": args.context, "threads": args.threads, "clock": args.clock,
               "load_average": os.getloadavg()[0]}
     result.update({f"{name}_ms": statistics.median(t) for name, t in times.items()})
+    result["read_gb_s"] = read_bytes / result["read_256MB_ms"] / 1e6
     result["ratio"] = result["decode_step_ms"] / result["gemm_floor_ms"]
     result["ratio_to_packed"] = result["decode_step_ms"] / result["packed_gemm_floor_ms"]
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cpus (load {load}), "
-          f"torch {torch.__version__}, {args.threads} threads")
+          f"torch {torch.__version__}, {args.threads} threads, {args.clock} clock")
     print(f"{'batch':>5} {'context':>7} {'decode_step_ms':>14} {'gemm_floor_ms':>13} {'ratio':>6} "
           f"{'packed_floor_ms':>15} {'ratio':>6}")
     print(f"{args.batch:>5} {args.context:>7} {result['decode_step_ms']:>14.1f} {result['gemm_floor_ms']:>13.1f} "
           f"{result['ratio']:>6.3f} {result['packed_gemm_floor_ms']:>15.1f} {result['ratio_to_packed']:>6.3f}")
+    if args.adapters:
+        result.update(adapters=args.adapters, sorted=args.sorted, adapter_mb=adapter_bytes / 1e6,
+                      lora_ms=result["decode_step_lora_ms"] - result["decode_step_ms"],
+                      lora_byte_floor_ms=args.adapters * adapter_bytes / 1e6 / result["read_gb_s"],
+                      lora_method=mixed.method)
+        result["mixed_over_base"] = result["decode_step_ms"] / result["decode_step_lora_ms"]
+        print(f"\n{args.adapters} adapters ({'sorted by slot' if args.sorted else 'interleaved'}, method "
+              f"{mixed.method}): step {result['decode_step_lora_ms']:.1f} ms, LoRA part {result['lora_ms']:.1f} ms, "
+              f"byte floor {result['lora_byte_floor_ms']:.1f} ms ({args.adapters} x {adapter_bytes / 1e6:.1f} MB "
+              f"at {result['read_gb_s']:.1f} GB/s), base / mixed step time {result['mixed_over_base']:.3f}")
+    for name, parts in breakdowns.items():
+        result[f"{name}_breakdown_ms"] = parts
+        print(f"\n{name}: CPU ms per step ({args.threads} thread(s))")
+        for part, ms in parts.items():
+            print(f"  {part:28s} {ms:7.1f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -39,15 +39,18 @@ def hf_model(base: Path, adapter: Path | None) -> torch.nn.Module:
     return model if adapter is None else PeftModel.from_pretrained(model, str(adapter)).eval()
 
 
+@pytest.mark.parametrize("only_decodes", [False, True])
 @pytest.mark.parametrize("decode_path", ["kernel", "gather"])
 @pytest.mark.parametrize(("window", "scale", "decode_blocks"), [(None, None, 3), (3, 0.3, 2), (6, None, 2)])
 def test_paged_attention_matches_float64_loop(window: int | None, scale: float | None, decode_blocks: int,
-                                              decode_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+                                              decode_path: str, only_decodes: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Attention alone, on random q/k/v and cache contents: decodes (non-contiguous rows), a fresh
     prompt and continuing chunks, GQA with 3 query heads per K/V head, full or sliding-window (keys at
     positions (p - W, p]: a fresh prompt longer than W, chunks across the window's edge, a decode whose
     window skips blocks), default or explicit scale, vs a float64 per-token loop; decodes through the CPU
-    kernel that reads the cache in place and through the gather path."""
+    kernel that reads the cache in place and through the gather path, in a mixed step and in a decode-only
+    step (where the kernel also writes the new K/V)."""
     use_decode_path(decode_path, monkeypatch)
     raw = tiny_config("mistral", hidden_size=48, num_attention_heads=6, num_key_value_heads=2,
                       sliding_window=window).to_dict()
@@ -57,6 +60,8 @@ def test_paged_attention_matches_float64_loop(window: int | None, scale: float |
     g = torch.Generator().manual_seed(12)
     entries = [StepEntry((1,), 9, (7, 2, 11)), StepEntry((1,) * 6, 0, (4, 0)), StepEntry((1,), 0, (9,)),
                StepEntry((1,) * 5, 3, (1, 10)), StepEntry((1,), 4, (5, 3)), StepEntry((1,) * 3, 9, (6, 8, 12))]
+    if only_decodes:
+        entries = [e for e in entries if len(e.token_ids) == 1]
     step = prepare_step(entries, bs, cfg, torch.float32, torch.device("cpu"))
     # a sliding layer gathers only the blocks its window reaches (the decode at position 9: blocks 1-2)
     assert step.attn.plan(window).decode.gather[1].shape[-1] == decode_blocks * bs

@@ -171,6 +171,10 @@ def paged_attention(
     t, heads, d = q.shape
     scale = d**-0.5 if scale is None else scale
     plan = attn.plan(window)
+    kernels = cpu_kernels.for_tensors(q, kv_cache) if attn.all_decode else None
+    if kernels is not None:  # a decode step on the CPU: the kernel writes each new K/V row, then attends
+        keys = plan.decode
+        return kernels.paged_decode_attention(q, kv_cache, keys.block_tables, keys.first, keys.end, scale, k, v)
     kv_cache.view(-1, d).index_copy_(0, attn.write_rows, torch.stack((k, v)).view(-1, d))
     decoded = None
     if attn.decode_rows is not None:

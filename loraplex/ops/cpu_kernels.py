@@ -47,6 +47,7 @@ def kernels() -> ModuleType | None:
 
 def for_tensors(*tensors: torch.Tensor) -> ModuleType | None:
     """The kernels when every tensor is a float32 CPU tensor and they are built; else None."""
-    if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
-        return kernels()
-    return None
+    for t in tensors:  # a plain loop: this runs a few hundred times per step
+        if t.dtype is not torch.float32 or not t.is_cpu:
+            return None
+    return kernels()

@@ -3,14 +3,20 @@
 // Semantics, for each sequence s and K/V head k with query heads g = k*G .. k*G+G-1 (G = H / KV), over the
 // keys at positions p in [first[s], end[s]), found at block tables[s, p / bs], offset p % bs:
 //   scores[g, p] = scale * q[s, g] . K[p],   out[s, g] = softmax_p(scores[g]) @ V[p]
-// q [S, H, d] float32 (any row strides, unit inner stride), cache [N, 2, KV, bs, d] float32 contiguous,
-// tables [S, max_blocks] int64, first/end [S] int64 -> out [S, H, d].
+// When k_new / v_new [S, KV, d] are given, every sequence's row at position end[s] - 1 is first set to them
+// (K[end - 1] = k_new[s], V[end - 1] = v_new[s], each head): a decode step's KV write, done before any read.
+// q [S, H, d] float32 (any row strides, unit inner stride), cache [N, 2, KV, bs, d] float32 contiguous
+// (changed in place when k_new / v_new are given), tables [S, max_blocks] int64, first/end [S] int64
+// -> out [S, H, d].
 //
 // Nothing is gathered: each (sequence, K/V head) walks its blocks, where the head's K (then V) rows of a
-// block are one contiguous bs * d run; the next block is prefetched while one is computed (random 4 KiB
-// runs defeat the hardware prefetcher). Scores take P keys x the G heads in registers (each K row is
-// loaded once for all G heads); values accumulate 16 floats of d at a time for all G heads. Every
-// (sequence, head) is summed in the same order whatever the rest of the batch: results are batch-independent.
+// block are one contiguous bs * d run. Random 4 KiB runs defeat the hardware prefetcher, so the next run
+// (the next block's K, the first V block after the last K, the next item's first K after the last V) is
+// prefetched a few lines at a time while the current one is computed (measured: ~1.5x the throughput of
+// prefetching each block in one burst, most of which the core's miss queue drops). Scores take P keys x
+// the G heads in registers (each K row is loaded once for all G heads); values accumulate 16 floats of d
+// at a time for all G heads. Every (sequence, head) is summed in the same order whatever the rest of the
+// batch: results are batch-independent.
 #include <immintrin.h>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -31,9 +37,24 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-inline void prefetch(const float* p, int64_t floats) {
-  for (int64_t i = 0; i < floats; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+// the sums of four vectors' lanes at once: [sum(a), sum(b), sum(c), sum(d)]
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
 }
+
+// Prefetches one run of floats in steps, as the work on the current run advances.
+struct Prefetch {
+  const float* data = nullptr;  // nothing to prefetch when null
+  int64_t floats = 0, done = 0;
+  // prefetch the run's first ``fraction`` (in [0, 1] as num / den) not yet prefetched
+  void upto(int64_t num, int64_t den) {
+    if (data == nullptr) return;
+    for (const int64_t stop = floats * num / den; done < stop; done += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(data + done), _MM_HINT_T0);
+    }
+  }
+};
 
 // scores[g * n + j] = scale * q[g] . k[j] for NG heads (rows of q, stride qs) and P keys (rows of k, stride d)
 template <int NG, int P>
@@ -55,11 +76,18 @@ inline void score_tile(const float* q, int64_t qs, const float* k, int64_t d, fl
       for (int g = 0; g < NG; ++g) acc[j][g] = _mm256_fmadd_ps(qv[g], kv, acc[j][g]);
     }
   }
+  constexpr int kSums = P * NG;
+  const __m256* flat = &acc[0][0];  // fully unrolled: constant indices, the accumulators stay in registers
+  float sums[kSums];
+#pragma GCC unroll 4
+  for (int t = 0; t + 4 <= kSums; t += 4) _mm_storeu_ps(sums + t, hsum4(flat[t], flat[t + 1], flat[t + 2], flat[t + 3]));
+#pragma GCC unroll 4
+  for (int t = kSums / 4 * 4; t < kSums; ++t) sums[t] = hsum(flat[t]);
 #pragma GCC unroll 4
   for (int j = 0; j < P; ++j)
 #pragma GCC unroll 4
     for (int g = 0; g < NG; ++g) {
-      float s = hsum(acc[j][g]);
+      float s = sums[j * NG + g];
       for (int64_t t = i; t < d; ++t) s += q[g * qs + t] * k[j * d + t];
       scores[g * n + j] = s * scale;
     }
@@ -68,18 +96,23 @@ inline void score_tile(const float* q, int64_t qs, const float* k, int64_t d, fl
 // scores for m consecutive keys of one block, P at a time (P keys x NG heads fit the 16 vector registers)
 template <int NG>
 inline void score_rows(const float* q, int64_t qs, const float* k, int64_t m, int64_t d, float scale, float* scores,
-                       int64_t n) {
+                       int64_t n, Prefetch next) {
   constexpr int P = NG <= 2 ? 4 : (NG == 3 ? 3 : 2);
   int64_t j = 0;
-  for (; j + P <= m; j += P) score_tile<NG, P>(q, qs, k + j * d, d, scale, scores + j, n);
+  for (; j + P <= m; j += P) {
+    next.upto(j + P, m);
+    score_tile<NG, P>(q, qs, k + j * d, d, scale, scores + j, n);
+  }
   for (; j < m; ++j) score_tile<NG, 1>(q, qs, k + j * d, d, scale, scores + j, n);
+  next.upto(1, 1);
 }
 
 // acc[g * d + i] += sum_j w[g * n + j] * v[j * d + i] over m consecutive value rows, NG heads
 template <int NG>
-inline void value_rows(const float* w, int64_t n, const float* v, int64_t m, int64_t d, float* acc) {
+inline void value_rows(const float* w, int64_t n, const float* v, int64_t m, int64_t d, float* acc, Prefetch next) {
   int64_t i = 0;
   for (; i + 16 <= d; i += 16) {
+    next.upto(i + 16, d);
     __m256 a[NG][2];
 #pragma GCC unroll 4
     for (int g = 0; g < NG; ++g) {
@@ -101,6 +134,7 @@ inline void value_rows(const float* w, int64_t n, const float* v, int64_t m, int
       _mm256_storeu_ps(acc + g * d + i + 8, a[g][1]);
     }
   }
+  next.upto(1, 1);
   for (; i < d; ++i)
     for (int64_t j = 0; j < m; ++j)
       for (int g = 0; g < NG; ++g) acc[g * d + i] += w[g * n + j] * v[j * d + i];
@@ -116,16 +150,16 @@ struct Cache {
   }
 };
 
-// NG query heads of one sequence against K/V head h, keys [lo, hi): out rows at stride os
+// NG query heads of one sequence against K/V head h, keys [lo, hi): out rows at stride os. ``after`` is the
+// first run the caller reads next (prefetched during the last V block; null when none).
 template <int NG>
 void attend(const float* q, int64_t qs, const Cache& c, int64_t h, int64_t lo, int64_t hi, float scale,
-            float* scores, float* acc, float* out, int64_t os) {
-  const int64_t n = hi - lo, bs = c.block_size, d = c.d, last = (hi - 1) / bs;
-  prefetch(c.rows(lo / bs, 0, h), bs * d);
+            float* scores, float* acc, float* out, int64_t os, const float* after) {
+  const int64_t n = hi - lo, bs = c.block_size, d = c.d, run = bs * d, first = lo / bs, last = (hi - 1) / bs;
   for (int64_t p = lo; p < hi;) {
     const int64_t b = p / bs, stop = std::min(hi, (b + 1) * bs);
-    prefetch(b < last ? c.rows(b + 1, 0, h) : c.rows(lo / bs, 1, h), bs * d);
-    score_rows<NG>(q, qs, c.rows(b, 0, h) + (p % bs) * d, stop - p, d, scale, scores + (p - lo), n);
+    const Prefetch next{b < last ? c.rows(b + 1, 0, h) : c.rows(first, 1, h), run};
+    score_rows<NG>(q, qs, c.rows(b, 0, h) + (p % bs) * d, stop - p, d, scale, scores + (p - lo), n, next);
     p = stop;
   }
   float inv_sum[NG];
@@ -138,8 +172,8 @@ void attend(const float* q, int64_t qs, const Cache& c, int64_t h, int64_t lo, i
   std::fill(acc, acc + NG * d, 0.0f);
   for (int64_t p = lo; p < hi;) {
     const int64_t b = p / bs, stop = std::min(hi, (b + 1) * bs);
-    if (b < last) prefetch(c.rows(b + 1, 1, h), bs * d);
-    value_rows<NG>(scores + (p - lo), n, c.rows(b, 1, h) + (p % bs) * d, stop - p, d, acc);
+    const Prefetch next{b < last ? c.rows(b + 1, 1, h) : after, run};
+    value_rows<NG>(scores + (p - lo), n, c.rows(b, 1, h) + (p % bs) * d, stop - p, d, acc, next);
     p = stop;
   }
   for (int g = 0; g < NG; ++g)
@@ -147,13 +181,15 @@ void attend(const float* q, int64_t qs, const Cache& c, int64_t h, int64_t lo, i
 }
 
 using AttendFn = void (*)(const float*, int64_t, const Cache&, int64_t, int64_t, int64_t, float, float*, float*,
-                          float*, int64_t);
+                          float*, int64_t, const float*);
 constexpr AttendFn kAttend[kMaxHeads + 1] = {nullptr, attend<1>, attend<2>, attend<3>, attend<4>};
 
 }  // namespace
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
-                                     const torch::Tensor& first, const torch::Tensor& end, double scale) {
+                                     const torch::Tensor& first, const torch::Tensor& end, double scale,
+                                     const c10::optional<torch::Tensor>& k_new,
+                                     const c10::optional<torch::Tensor>& v_new) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.stride(2) == 1 && q.device().is_cpu(),
               "paged_decode_attention: q must be a CPU float32 [S, H, d] tensor with unit inner stride");
   TORCH_CHECK(cache.dim() == 5 && cache.size(1) == 2 && cache.scalar_type() == torch::kFloat && cache.is_contiguous(),
@@ -178,22 +214,46 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                   "paged_decode_attention: block id out of range");
     }
   }
+  TORCH_CHECK(k_new.has_value() == v_new.has_value(), "paged_decode_attention: give both k_new and v_new or neither");
+  if (k_new.has_value()) {  // the step's KV write, before any read: all rows, then the parallel attention
+    float* base = cache.data_ptr<float>();
+    for (int kv = 0; kv < 2; ++kv) {
+      const torch::Tensor& src = kv == 0 ? *k_new : *v_new;
+      TORCH_CHECK(src.dim() == 3 && src.size(0) == seqs && src.size(1) == kv_heads && src.size(2) == d &&
+                      src.scalar_type() == torch::kFloat && src.stride(2) == 1,
+                  "paged_decode_attention: k_new and v_new must be float32 [S, KV, d] with unit inner stride");
+      const float* sp = src.data_ptr<float>();
+      for (int64_t s = 0; s < seqs; ++s) {
+        const int64_t pos = ep[s] - 1, block = tp[s * max_blocks + pos / bs];
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          std::copy_n(sp + s * src.stride(0) + h * src.stride(1), d,
+                      base + (((block * 2 + kv) * kv_heads + h) * bs + pos % bs) * d);
+        }
+      }
+    }
+  }
   auto out = torch::empty({seqs, heads, d}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* cp = cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const float sc = static_cast<float>(scale);
+  auto first_run = [&](int64_t item) {  // the first K run item (s, h) reads
+    const int64_t s = item / kv_heads;
+    return Cache{cp, tp + s * max_blocks, kv_heads, bs, d}.rows(fp[s] / bs, 0, item % kv_heads);
+  };
   at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t stop) {
     std::vector<float> scores, acc(kMaxHeads * d);
+    Prefetch{first_run(begin), bs * d}.upto(1, 1);
     for (int64_t item = begin; item < stop; ++item) {
       const int64_t s = item / kv_heads, h = item % kv_heads;
       const Cache c{cp, tp + s * max_blocks, kv_heads, bs, d};
+      const float* next_item = item + 1 < stop ? first_run(item + 1) : nullptr;
       scores.resize(kMaxHeads * (ep[s] - fp[s]));
       for (int64_t g0 = 0; g0 < group; g0 += kMaxHeads) {
         const int64_t ng = std::min<int64_t>(kMaxHeads, group - g0);
         kAttend[ng](qp + s * qs0 + (h * group + g0) * qs1, qs1, c, h, fp[s], ep[s], sc, scores.data(), acc.data(),
-                    op + (s * heads + h * group + g0) * d, d);
+                    op + (s * heads + h * group + g0) * d, d, g0 + ng < group ? first_run(item) : next_item);
       }
     }
   });
