@@ -5,6 +5,12 @@ inside a block."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -104,3 +110,28 @@ def test_rotary_matches_float64_and_torch(kernels, d: int, monkeypatch: pytest.M
     assert torch.equal(rotary_module.apply_rotary(x, cos, sin), got)
     monkeypatch.setattr(cpu_kernels, "for_tensors", lambda *tensors: None)
     torch.testing.assert_close(rotary_module.apply_rotary(x, cos, sin), got, rtol=1e-6, atol=1e-6)
+
+
+FALLBACK_SCRIPT = textwrap.dedent("""
+    import torch
+    from loraplex.layers.norms import RMSNorm
+    from loraplex.ops import cpu_kernels, int8
+
+    assert cpu_kernels.kernels() is None and cpu_kernels.for_tensors(torch.zeros(1)) is None
+    assert int8.kernel() is None and not int8.Int8Weight.from_float(torch.randn(4, 8)).packed
+    x = torch.randn(3, 16)
+    expected = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(RMSNorm(16, 1e-6, torch.float32, "cpu")(x).double(), expected)
+""")
+
+
+def test_a_missing_compiler_leaves_the_torch_ops(tmp_path: Path) -> None:
+    """A fresh machine without a C++ compiler (CXX names none, an empty extension cache): both kernel
+    modules log why and are None, and the layers run their torch ops (the model-level tests hold those
+    to HF, see ``use_decode_path`` in test_runner.py)."""
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CPU step kernels unavailable" in proc.stderr and "the torch ops run instead" in proc.stderr
