@@ -9,7 +9,9 @@ seven projections (token i reads adapter i % N; ``--sorted``: tokens grouped by 
 (``lora_ms`` = that step - the base step) and the LoRA part's byte floor: the adapters' bytes over the
 read bandwidth of this machine measured in the same run (a sum over 256 MB). ``--clock cpu`` times with
 ``time.process_time`` (steady on a busy host; use it with ``--threads 1``); ``--breakdown`` prints where
-each step's CPU time goes (``benchmarks/step_breakdown.py``). Prints tables; ``--out PATH`` writes JSON.
+each step's CPU time goes (``benchmarks/step_breakdown.py``). ``decode_step_torch_ops`` is the base step
+with the CPU step kernels off (``loraplex.ops.cpu_kernels``: the gather path and the torch pointwise
+ops), in the same interleaved loop. Prints tables; ``--out PATH`` writes JSON.
 
     python -m benchmarks.decode_step [--batch 32] [--context 100] [--iters 10] [--threads 2]
         [--clock wall|cpu] [--adapters N [--sorted]] [--breakdown] [--out PATH]
@@ -34,6 +36,7 @@ from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.models.base import CausalLM
 from loraplex.models.embedded import embedded_checkpoint
 from loraplex.models.loader import load_model
+from loraplex.ops import cpu_kernels
 from loraplex.ops.lora_batch import BatchMapping, LoRABatch, build_lora_batch
 
 RANK = 16
@@ -64,6 +67,16 @@ def read_bandwidth_loop() -> tuple[int, callable]:
     return buffer.nbytes, lambda: buffer.sum()
 
 
+def torch_ops(runner: ModelRunner, entries: list[StepEntry]) -> None:
+    """One base step with the CPU step kernels off (every caller takes its torch path)."""
+    for_tensors = cpu_kernels.for_tensors
+    cpu_kernels.for_tensors = lambda *tensors: None
+    try:
+        runner.execute(entries, None)
+    finally:
+        cpu_kernels.for_tensors = for_tensors
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=32)
@@ -91,7 +104,8 @@ def main() -> None:
     tokens = torch.randint(0, cfg.vocab_size, (args.batch,)).tolist()
     entries = [StepEntry((tok,), s, t) for tok, s, t in zip(tokens, starts, tables, strict=True)]
     runner = ModelRunner(model, kv, block_size)
-    steps = {"decode_step": lambda: runner.execute(entries, None)}
+    steps = {"decode_step": lambda: runner.execute(entries, None),
+             "decode_step_torch_ops": lambda: torch_ops(runner, entries)}
     if args.adapters:
         adapter_bytes = write_adapters(model, args.adapters)
         mixed = lora_batch(args.batch, args.adapters, args.sorted)
@@ -113,6 +127,7 @@ def main() -> None:
     result["read_gb_s"] = read_bytes / result["read_256MB_ms"] / 1e6
     result["ratio"] = result["decode_step_ms"] / result["gemm_floor_ms"]
     result["ratio_to_packed"] = result["decode_step_ms"] / result["packed_gemm_floor_ms"]
+    result["torch_ops_ratio_to_packed"] = result["decode_step_torch_ops_ms"] / result["packed_gemm_floor_ms"]
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cpus (load {load}), "
           f"torch {torch.__version__}, {args.threads} threads, {args.clock} clock")
@@ -120,6 +135,8 @@ def main() -> None:
           f"{'packed_floor_ms':>15} {'ratio':>6}")
     print(f"{args.batch:>5} {args.context:>7} {result['decode_step_ms']:>14.1f} {result['gemm_floor_ms']:>13.1f} "
           f"{result['ratio']:>6.3f} {result['packed_gemm_floor_ms']:>15.1f} {result['ratio_to_packed']:>6.3f}")
+    print(f"kernels off (torch ops): {result['decode_step_torch_ops_ms']:.1f} ms, "
+          f"{result['torch_ops_ratio_to_packed']:.3f}x the packed floor")
     if args.adapters:
         result.update(adapters=args.adapters, sorted=args.sorted, adapter_mb=adapter_bytes / 1e6,
                       lora_ms=result["decode_step_lora_ms"] - result["decode_step_ms"],
