@@ -15,13 +15,12 @@ cannot be built, ``kernels()`` logs why once and returns None.
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-logger = logging.getLogger(__name__)
+from loraplex.ops.cpp_build import build_cpu_extension
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "paged_attention.cpp",
                                                         "fused_pointwise.cpp")]
@@ -33,16 +32,8 @@ _FLAGS = ["-O3", "-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_A
 @functools.cache
 def kernels() -> ModuleType | None:
     """The compiled module, or None where it cannot be built or run (no AVX2, no compiler; logged once)."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        return load(name="loraplex_cpu_kernels", sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS,
-                    verbose=False)
-    except Exception as e:  # no compiler, no headers, ...: the torch ops stay correct
-        logger.warning("CPU step kernels unavailable (%s); the torch ops run instead", e)
-        return None
+    return build_cpu_extension("loraplex_cpu_kernels", "CPU step kernels", _SOURCES, _FLAGS,
+                               "the torch ops run instead")
 
 
 def for_tensors(*tensors: torch.Tensor) -> ModuleType | None:

@@ -16,7 +16,6 @@ and ``F.linear`` runs: the same numbers, at float32 speed or less.
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -24,7 +23,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+from loraplex.ops.cpp_build import build_cpu_extension
 
 _KERNEL_SOURCE = Path(__file__).with_name("int8_gemm.cpp")
 
@@ -46,16 +45,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
 @functools.cache
 def kernel() -> ModuleType | None:
     """The compiled AVX2 kernel module, or None where it cannot be built (logged once)."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        return load(name="loraplex_int8_gemm", sources=[str(_KERNEL_SOURCE)],
-                    extra_cflags=["-O3", "-mavx2", "-mfma"], verbose=False)
-    except Exception as e:  # no compiler, no headers, ...: the dequantizing path stays correct
-        logger.warning("int8 kernel unavailable (%s); int8 matmuls dequantize per call", e)
-        return None
+    return build_cpu_extension("loraplex_int8_gemm", "int8 kernel", [_KERNEL_SOURCE], ["-O3", "-mavx2", "-mfma"],
+                               "int8 matmuls dequantize per call")
 
 
 @dataclass(frozen=True)
