@@ -5,11 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from loraplex.config import EngineConfig
 from loraplex.errors import LoraplexError
+
+if TYPE_CHECKING:
+    from loraplex.engine.client import EngineClient
 
 logger = logging.getLogger("loraplex.cli")
 
@@ -20,6 +25,34 @@ def adapter_spec(value: str) -> tuple[str, str]:
     if not sep or not name.strip() or not path.strip():
         raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
     return name.strip(), path.strip()
+
+
+def positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def nonnegative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, got {value!r}")
+    return number
+
+
+def cpu_list(value: str) -> list[int]:
+    """``0-3,6`` -> [0, 1, 2, 3, 6]."""
+    cpus: list[int] = []
+    try:
+        for part in value.split(","):
+            first, _, last = part.partition("-")
+            cpus += range(int(first), int(last or first) + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected cores like 0-1 or 0,2, got {value!r}") from None
+    if not cpus or min(cpus) < 0:
+        raise argparse.ArgumentTypeError(f"expected cores like 0-1 or 0,2, got {value!r}")
+    return cpus
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -52,6 +85,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from loraplex.server.limits import BYTES_PER_CONTEXT_TOKEN
+
     parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
@@ -65,6 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="runtime loads must resolve inside one of these folders (repeatable)")
     serve.add_argument("--api-key", default=os.environ.get("LORAPLEX_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $LORAPLEX_API_KEY)")
+    serve.add_argument("--max-request-bytes", type=positive_int, default=None, metavar="N",
+                       help="larger request bodies get 413 before they are read "
+                            f"(default: {BYTES_PER_CONTEXT_TOKEN} bytes per token of context, at least 1 MiB)")
+    serve.add_argument("--engine-cpus", type=cpu_list, default=None, metavar="LIST",
+                       help="bind the engine process's OpenMP threads to these cores, e.g. 0-1 or 0,2 "
+                            "(default: no binding)")
+    serve.add_argument("--prepare-workers", type=nonnegative_int, default=2, metavar="N",
+                       help="processes that parse, template and tokenize requests (0: threads of the API process)")
+    serve.add_argument("--in-process-engine", action="store_true",
+                       help="run the step loop in a thread of the API process instead of its own process")
     gen = sub.add_parser("generate", help="print completions of PROMPT(s)")
     _engine_args(gen)
     gen.add_argument("--use", default=None, metavar="NAME", help="the adapter to generate with (default: base)")
@@ -106,30 +151,63 @@ def startup_adapters(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    import asyncio
+    import gc
+
     import uvicorn
 
-    from loraplex.engine.engine import Engine
     from loraplex.server.app import create_app
 
-    engine = Engine(engine_config(args, parser))
-    for name, path in startup_adapters(args):
-        engine.load_adapter(name, path)
-    app = create_app(engine, served_model_name=args.served_model_name,
-                     allow_runtime_adapters=args.allow_runtime_adapters, adapter_roots=args.adapter_root,
-                     api_key=args.api_key)
-    stats = engine.stats()
-    cfg = engine.config
-    logger.info("model %s (%s) dtype %s on %s", engine.model_name, engine.model_path, engine.dtype, engine.device)
-    logger.info("%d adapter slots, %d in host memory, max rank %d; KV cache %d blocks x %d tokens, prefix "
-                "caching %s", cfg.max_loras, cfg.max_cpu_loras, cfg.max_lora_rank, stats.kv_blocks_total,
-                cfg.block_size, "on" if cfg.enable_prefix_caching else "off")
-    logger.info("adapters: %s", ", ".join(f"{i.name}={i.path}" for i in engine.list_adapters()) or "none")
-    logger.info("runtime adapter loading %s%s; auth %s", "on" if args.allow_runtime_adapters else "off",
-                f" (roots: {', '.join(args.adapter_root)})" if args.adapter_root else "",
-                "on" if args.api_key else "off")
-    logger.info("serving on http://%s:%d/v1; the playground is at http://%s:%d/", args.host, args.port,
-                args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    config = engine_config(args, parser)
+    client: EngineClient
+    if args.in_process_engine:
+        from loraplex.engine.async_engine import AsyncEngine
+        from loraplex.engine.engine import Engine
+
+        engine = Engine(config)
+        for name, path in startup_adapters(args):
+            engine.load_adapter(name, path)
+        client = AsyncEngine(engine)
+    else:
+        from loraplex.engine.process_client import EngineProcess
+
+        client = EngineProcess(config, startup_adapters(args), cpus=args.engine_cpus, log_level=args.log_level)
+        client.start()
+    try:
+        app = create_app(client, served_model_name=args.served_model_name,
+                         allow_runtime_adapters=args.allow_runtime_adapters, adapter_roots=args.adapter_root,
+                         api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                         prepare_processes=args.prepare_workers)
+        stats, adapters = asyncio.run(_describe(client))
+        info = client.info
+        logger.info("model %s (%s) dtype %s on %s; engine %s (pid %d)", info.model_name, info.model_path, info.dtype,
+                    info.device, "in this process" if args.in_process_engine else "in its own process", info.pid)
+        logger.info("%d adapter slots, %d in host memory, max rank %d; KV cache %d blocks x %d tokens, prefix "
+                    "caching %s", config.max_loras, config.max_cpu_loras, config.max_lora_rank,
+                    stats.kv_blocks_total, config.block_size, "on" if config.enable_prefix_caching else "off")
+        logger.info("adapters: %s", ", ".join(f"{i.name}={i.path}" for i in adapters) or "none")
+        logger.info("runtime adapter loading %s%s; auth %s", "on" if args.allow_runtime_adapters else "off",
+                    f" (roots: {', '.join(args.adapter_root)})" if args.adapter_root else "",
+                    "on" if args.api_key else "off")
+        logger.info("serving on http://%s:%d/v1; the playground is at http://%s:%d/", args.host, args.port,
+                    args.host, args.port)
+        gc.freeze()  # what start-up built (modules, the app, the tokenizer) stays out of later collections
+        # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again for the
+        # handler in place before it: make that a normal exit, so the engine is stopped below.
+        signal.signal(signal.SIGTERM, _exit_normally)
+        signal.signal(signal.SIGINT, _exit_normally)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    finally:
+        client.shutdown()
+
+
+def _exit_normally(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+async def _describe(client: EngineClient) -> tuple:
+    """The engine's stats and adapters, for the start-up log."""
+    return await client.stats(), await client.list_adapters()
 
 
 def generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

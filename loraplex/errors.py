@@ -71,6 +71,13 @@ class AdapterMemoryBudgetExceeded(AdapterError):
     error_type = "insufficient_storage_error"
 
 
+class EngineUnavailable(LoraplexError):
+    """The engine cannot serve: it is not started, it is shutting down, or its process died."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+
+
 class ModelError(LoraplexError):
     """The base model cannot be found, converted or built (e.g. an unsupported architecture)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 import threading
@@ -17,7 +18,9 @@ from fastapi import FastAPI
 
 from loraplex.config import EngineConfig
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.engine import Engine
+from loraplex.engine.client import EngineClient
+from loraplex.engine.engine import Engine, EngineStats
+from loraplex.engine.process_client import EngineProcess
 from loraplex.server.app import create_app
 
 BASE = "tiny"  # the served name of the tiny base model
@@ -46,25 +49,29 @@ def running_server(app: FastAPI, timeout: float = 30.0) -> Iterator[str]:
         sock.close()
 
 
-def wait_until_idle(engine: Engine, timeout: float = 30.0) -> None:
+def engine_stats(target: Engine | EngineClient) -> EngineStats:
+    """``stats()`` of an in-process ``Engine``, or of any engine client (from a thread without a loop)."""
+    return target.stats() if isinstance(target, Engine) else asyncio.run(target.stats())
+
+
+def wait_until_idle(target: Engine | EngineClient, timeout: float = 30.0) -> None:
     """Wait until the engine runs nothing, holds no adapter pin and has every KV block free."""
     deadline = time.monotonic() + timeout
     while True:
-        stats = engine.stats()
-        pinned = engine.adapters.slot_table.pinned()
-        if (stats.num_running == stats.num_waiting == pinned == 0
+        stats = engine_stats(target)
+        if (stats.num_running == stats.num_waiting == stats.slots_pinned == 0
                 and stats.kv_blocks_free == stats.kv_blocks_total):
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"engine not idle after {timeout}s: {stats}, pinned slots {pinned}")
+            raise AssertionError(f"engine not idle after {timeout}s: {stats}")
         time.sleep(0.05)
 
 
 @dataclass
 class Server:
     url: str
-    engine: Engine
-    async_engine: AsyncEngine
+    engine: Engine | None  # the engine itself when it runs in this process ("thread" mode)
+    engine_client: EngineClient  # what the app drives: an AsyncEngine, or an EngineProcess ("process" mode)
     root: Path  # the --adapter-root
     outside: dict[str, Path]  # adapter folders outside the root
 
@@ -74,18 +81,41 @@ class Server:
     def async_client(self, api_key: str = "unused") -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120)
 
+    def stats(self) -> EngineStats:
+        return engine_stats(self.engine_client)
+
+    def check_integrity(self) -> None:
+        """The adapter manager's integrity check, where the engine is reachable (in-process)."""
+        if self.engine is not None:
+            self.engine.adapters.check_integrity()
+
+
+MODES = ("thread", "process")  # the step loop in a thread of the server's process, or in its own process
+
 
 @contextmanager
 def tiny_server(model: Path, adapters: dict[str, Path], startup: tuple[str, ...], in_root: tuple[str, ...],
-                root: Path, **config: object) -> Iterator[Server]:
+                root: Path, mode: str = "thread", **config: object) -> Iterator[Server]:
     """A server on ``model`` with ``startup`` adapters loaded, runtime loading on, and copies of the
-    ``in_root`` adapters inside the adapter root ``root``."""
+    ``in_root`` adapters inside the adapter root ``root``. ``mode="process"`` runs the engine in its own
+    process and prepares requests in a worker process, as ``loraplex serve`` does."""
     for name in in_root:
         shutil.copytree(adapters[name], root / name)
-    engine = Engine(EngineConfig(model=str(model), **config))
-    for name in startup:
-        engine.load_adapter(name, adapters[name])
-    async_engine = AsyncEngine(engine)
-    app = create_app(async_engine, served_model_name=BASE, allow_runtime_adapters=True, adapter_roots=[root])
-    with running_server(app) as url:
-        yield Server(url, engine, async_engine, root, adapters)
+    engine_config = EngineConfig(model=str(model), **config)
+    engine: Engine | None = None
+    client: EngineClient
+    if mode == "process":
+        client = EngineProcess(engine_config, [(name, str(adapters[name])) for name in startup])
+        client.start()
+    else:
+        engine = Engine(engine_config)
+        for name in startup:
+            engine.load_adapter(name, adapters[name])
+        client = AsyncEngine(engine)
+    try:
+        app = create_app(client, served_model_name=BASE, allow_runtime_adapters=True, adapter_roots=[root],
+                         prepare_processes=1 if mode == "process" else 0)
+        with running_server(app) as url:
+            yield Server(url, engine, client, root, adapters)
+    finally:
+        client.shutdown()

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import torch
 
@@ -97,7 +98,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_process(tiny_llama: Path, tiny_llama_adapters: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
+def test_serve_process(tiny_llama: Path, tiny_llama_adapters: dict[str, Path], tmp_path: Path,
+                       stop_signal: signal.Signals) -> None:
+    """``loraplex serve`` end to end; Ctrl-C or SIGTERM stops it with status 0 and nothing left behind."""
     port, folder = free_port(), tiny_llama_adapters["r4_attn"]
     log = tmp_path / "serve.log"
     env = {**os.environ, "LORAPLEX_API_KEY": "k3y"}
@@ -106,6 +110,7 @@ def test_serve_process(tiny_llama: Path, tiny_llama_adapters: dict[str, Path], t
            "--adapter-root", str(tmp_path)]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    children: list[psutil.Process] = []
     try:
         url, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k3y"}
         deadline = time.monotonic() + 120
@@ -124,11 +129,16 @@ def test_serve_process(tiny_llama: Path, tiny_llama_adapters: dict[str, Path], t
         r = httpx.post(f"{url}/v1/completions", headers=auth, timeout=60,
                        json={"model": "chat", "prompt": "Hi", "max_tokens": 3, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        children = psutil.Process(proc.pid).children(recursive=True)  # the engine, the preparation workers
+        assert any("loraplex.engine.core_process" in " ".join(c.cmdline()) for c in children)
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
+        proc.send_signal(stop_signal)
+        code = proc.wait(timeout=60)
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert code == 0 and not alive, (code, [c.cmdline() for c in alive], log.read_text())
     text = log.read_text()
-    for expected in (f"serving on http://127.0.0.1:{port}/v1", "dtype torch.float32", "2 adapter slots",
+    for expected in (f"serving on http://127.0.0.1:{port}/v1", "dtype torch.float32", "in its own process",
+                     "2 adapter slots",
                      "KV cache 64 blocks x 16 tokens", f"adapters: chat={folder}"):
         assert expected in text, text
 

@@ -92,7 +92,7 @@ def test_metrics_count_hits_per_loaded_adapter(tiny_llama: Path, tiny_llama_adap
     stats = llm.stats()
     assert (stats.prefix_cache_queried_tokens, stats.prefix_cache_hit_tokens) == (4 * 13, 2 * 12)
     assert stats.prefix_cache_blocks == 2 * (13 + 7) // 4  # each prompt's and its outputs' full blocks
-    text = ServerMetrics(llm.engine).render().decode()
+    text = ServerMetrics().render(llm.stats()).decode()
     for line in ("loraplex_prefix_cache_queried_tokens_total 52.0", "loraplex_prefix_cache_hit_tokens_total 24.0",
                  'loraplex_adapter_prefix_cache_hit_tokens_total{adapter="x"} 12.0',
                  'loraplex_adapter_prefix_cache_queried_tokens_total{adapter="base"} 26.0',
@@ -100,7 +100,7 @@ def test_metrics_count_hits_per_loaded_adapter(tiny_llama: Path, tiny_llama_adap
         assert line in text, line
     llm.unload_adapter("x")
     llm.engine.step()  # the step loop retires the version
-    assert 'adapter="x"' not in ServerMetrics(llm.engine).render().decode()
+    assert 'adapter="x"' not in ServerMetrics().render(llm.stats()).decode()
     assert set(llm.stats().prefix_cache_by_adapter) == {None}
 
 

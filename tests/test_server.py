@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex import LLM, SamplingParams
-from tests.server_harness import BASE, Server, tiny_server, wait_until_idle
+from tests.server_harness import BASE, MODES, Server, tiny_server, wait_until_idle
 
 CONFIG = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=8)
 STARTUP = ("r8_all", "r4_attn")  # loaded at start; r16_mlp is loaded through the API
@@ -24,11 +24,12 @@ PROMPT = "The capital of France is"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
+@pytest.fixture(scope="module", params=MODES)
+def server(request: pytest.FixtureRequest, tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The same app over an in-process engine ("thread") and over the engine process ("process")."""
     with tiny_server(tiny_llama, tiny_llama_adapters, STARTUP, ("r16_mlp",), tmp_path_factory.mktemp("root"),
-                     **CONFIG) as srv:
+                     mode=request.param, **CONFIG) as srv:
         yield srv
 
 
@@ -92,6 +93,25 @@ def test_chat_streamed_and_not_equal_offline(server: Server, offline: LLM, model
     assert chunks[-1].choices[0].finish_reason == finish
 
 
+def test_stop_strings_equal_offline(server: Server, offline: LLM) -> None:
+    """Stop strings taken from the middle of the offline text end the request at the same token, with the
+    same text, streamed or not (the engine process's outputs are detokenized and matched in the server)."""
+    free = offline.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                            adapters=["r8_all"], use_tqdm=False)[0].text
+    stop = [free[len(free) // 2:len(free) // 2 + 3], "never appears"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=tuple(stop))
+    want = offline.generate([PROMPT], params, adapters=["r8_all"], use_tqdm=False)[0]
+    assert want.finish_reason == "stop" and len(want.text) < len(free)
+    kw = dict(model="r8_all", prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, extra_body={"ignore_eos": True})
+    full = server.client().completions.create(**kw)
+    assert (full.choices[0].text, full.choices[0].finish_reason) == (want.text, "stop")
+    assert full.usage.completion_tokens == len(want.token_ids)
+    chunks = list(server.client().completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    wait_until_idle(server.engine_client)
+
+
 def test_adapters_change_the_output(offline: LLM) -> None:
     """Guards the equality tests above: base and the two adapters write different texts."""
     texts = {solo(offline, PROMPT, model, 12)[0] for model in (BASE, *STARTUP)}
@@ -143,10 +163,10 @@ def test_disconnect_mid_stream_aborts_the_request(server: Server) -> None:
     with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-        assert server.engine.stats().num_running == 1  # decoding, not finished
+        assert server.stats().num_running == 1  # decoding, not finished
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
-    wait_until_idle(server.engine)
+    wait_until_idle(server.engine_client)
     # Aborted, not run to the end: each request counted once, as "abort".
     assert metric_value(server, "loraplex_requests_total", adapter="r8_all", status="abort") == aborted_before + 2
 
@@ -177,6 +197,16 @@ def test_metrics_and_health(server: Server) -> None:
     assert 0 <= metric_value(server, "loraplex_adapter_slot_occupancy") <= 1
     r = httpx.get(f"{server.url}/health")
     assert (r.status_code, r.json()) == (200, {"status": "ok"})
+    hits = metric_value(server, "loraplex_adapter_prefix_cache_hit_tokens_total", adapter="r4_attn")
+    queried = metric_value(server, "loraplex_adapter_prefix_cache_queried_tokens_total", adapter="r4_attn")
+    for _ in range(2):  # 40 prompt tokens: the second request finds the first's two full blocks cached
+        client.completions.create(model="r4_attn", prompt=list(range(5, 45)), max_tokens=2, temperature=0)
+    assert metric_value(server, "loraplex_adapter_prefix_cache_hit_tokens_total", adapter="r4_attn") == hits + 32
+    assert metric_value(server, "loraplex_adapter_prefix_cache_queried_tokens_total", adapter="r4_attn") == (
+        queried + 80)
+    assert metric_value(server, "loraplex_prefix_cache_blocks") >= 2
+    slots = httpx.get(f"{server.url}/v1/slots").json()  # the engine's adapter_snapshot, through the client
+    assert len(slots["slots"]) == 2 and {a["adapter"] for a in slots["adapters"]} >= set(STARTUP)
 
 
 def test_chat_renders_the_adapters_own_template(server: Server, offline: LLM,

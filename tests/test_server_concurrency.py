@@ -13,7 +13,7 @@ import pytest
 
 from loraplex import LLM, SamplingParams
 from tests.fixtures import write_peft_adapter
-from tests.server_harness import BASE, Server, tiny_server, wait_until_idle
+from tests.server_harness import BASE, MODES, Server, tiny_server, wait_until_idle
 
 CONFIG = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=512, max_num_seqs=16)
 PROMPTS = ["Once upon a time", "The weather today", "def fibonacci(n):", "Dear diary,", "In 1492 Columbus",
@@ -44,11 +44,16 @@ def solo(llm: LLM, prompt: str, model: str | None, max_tokens: int) -> str:
 
 
 @pytest.fixture
-def seed_server(tiny_llama: Path, adapters: dict[str, Path], tmp_path: Path) -> Iterator[Server]:
-    with tiny_server(tiny_llama, adapters, ("r8_all", "r4_attn"), ("r16_mlp",), tmp_path, **CONFIG) as srv:
+def seed_server(request: pytest.FixtureRequest, tiny_llama: Path, adapters: dict[str, Path],
+                tmp_path: Path) -> Iterator[Server]:
+    """A server in "thread" mode, or in the mode a test passes indirectly."""
+    mode = getattr(request, "param", "thread")
+    with tiny_server(tiny_llama, adapters, ("r8_all", "r4_attn"), ("r16_mlp",), tmp_path, mode=mode,
+                     **CONFIG) as srv:
         yield srv
 
 
+@pytest.mark.parametrize("seed_server", MODES, indirect=True)
 def test_seed_scenario_over_http(seed_server: Server, offline: LLM) -> None:
     """Streams with A and B fill both slots; C is loaded through the API and requested (with A again)
     mid-decode. C must wait for a free slot, never evict a pinned one, and every text is its solo text."""
@@ -66,7 +71,7 @@ def test_seed_scenario_over_http(seed_server: Server, offline: LLM) -> None:
             r = await http.post("/v1/load_lora_adapter",
                                 json={"lora_name": c, "lora_path": str(srv.root / c)})
         assert r.status_code == 200, r.text
-        running_at_load = srv.engine.stats().num_running
+        running_at_load = (await srv.engine_client.stats()).num_running
         late = [asyncio.ensure_future(client.completions.create(
             model=m, prompt=p, max_tokens=short_tokens, temperature=0, extra_body={"ignore_eos": True}))
             for m, p in ((c, PROMPTS[2]), (c, PROMPTS[3]), (a, PROMPTS[4]))]
@@ -79,9 +84,9 @@ def test_seed_scenario_over_http(seed_server: Server, offline: LLM) -> None:
     assert texts == [solo(offline, PROMPTS[0], a, long_tokens), solo(offline, PROMPTS[1], b, long_tokens)]
     assert late == [solo(offline, PROMPTS[2], c, short_tokens), solo(offline, PROMPTS[3], c, short_tokens),
                     solo(offline, PROMPTS[4], a, short_tokens)]
-    assert srv.engine.stats().device_evictions >= 1  # C really displaced A or B once they finished
-    wait_until_idle(srv.engine)
-    srv.engine.adapters.check_integrity()
+    assert srv.stats().device_evictions >= 1  # C really displaced A or B once they finished
+    wait_until_idle(srv.engine_client)
+    srv.check_integrity()
 
 
 def test_sixteen_clients_over_six_adapters(tiny_llama: Path, adapters: dict[str, Path], offline: LLM,
@@ -102,8 +107,8 @@ def test_sixteen_clients_over_six_adapters(tiny_llama: Path, adapters: dict[str,
             return list(await asyncio.gather(*(one(*job) for job in jobs)))
 
         texts = asyncio.run(all_jobs())
-        wait_until_idle(srv.engine)
-        srv.engine.adapters.check_integrity()
+        wait_until_idle(srv.engine_client)
+        srv.check_integrity()
     assert texts == [solo(offline, prompt, model, n) for model, prompt, n, _ in jobs]
 
 
@@ -120,7 +125,7 @@ def test_unload_lets_running_requests_finish(seed_server: Server, offline: LLM) 
         text = (await it.__anext__()).choices[0].text
         async with httpx.AsyncClient(base_url=srv.url) as http:
             unloaded = (await http.post("/v1/unload_lora_adapter", json={"lora_name": "r4_attn"})).status_code
-            running = srv.engine.stats().num_running
+            running = (await srv.engine_client.stats()).num_running
             text += "".join([chunk.choices[0].text async for chunk in it])
             late = await http.post("/v1/completions", json={"model": "r4_attn", "prompt": "x", "max_tokens": 2})
         assert running == 1, "the unload must happen mid-stream"
@@ -129,4 +134,4 @@ def test_unload_lets_running_requests_finish(seed_server: Server, offline: LLM) 
     text, unloaded, late = asyncio.run(scenario())
     assert (unloaded, late) == (200, 404)
     assert text == solo(offline, PROMPTS[5], "r4_attn", n)
-    wait_until_idle(srv.engine)
+    wait_until_idle(srv.engine_client)

@@ -144,7 +144,7 @@ def test_escapes_reach_a_valid_adapter(server: Server) -> None:
     """The folder both 403 cases reach is a valid adapter: only the root policy refuses it."""
     outside = server.root.parent / "outside"
     assert (server.root / "escape").resolve() == (server.root / ".." / "outside").resolve() == outside.resolve()
-    app = create_app(server.async_engine, served_model_name=BASE, allow_runtime_adapters=True)  # no roots
+    app = create_app(server.engine_client, served_model_name=BASE, allow_runtime_adapters=True)  # no roots
     with running_server(app) as url:
         r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "outside", "lora_path": str(outside)})
         assert r.status_code == 200, r.text
@@ -200,8 +200,8 @@ def test_openai_client_sees_typed_errors(server: Server) -> None:
 def test_auth(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     """With a key (argument or $LORAPLEX_API_KEY) every /v1 call needs it; /health stays open."""
     monkeypatch.setenv("LORAPLEX_API_KEY", "env-key")
-    for key, app in (("secret", create_app(server.async_engine, served_model_name=BASE, api_key="secret")),
-                     ("env-key", create_app(server.async_engine, served_model_name=BASE))):
+    for key, app in (("secret", create_app(server.engine_client, served_model_name=BASE, api_key="secret")),
+                     ("env-key", create_app(server.engine_client, served_model_name=BASE))):
         with running_server(app) as url:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
                 assert_error(httpx.get(f"{url}/v1/models", headers=headers), 401, "authentication_error", None)
@@ -218,7 +218,7 @@ def test_auth(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_runtime_loading_disabled(server: Server) -> None:
-    app = create_app(server.async_engine, served_model_name=BASE, allow_runtime_adapters=False)
+    app = create_app(server.engine_client, served_model_name=BASE, allow_runtime_adapters=False)
     with running_server(app) as url:
         body = {"lora_name": "x", "lora_path": str(server.root / "r4_attn")}
         assert_error(httpx.post(f"{url}/v1/load_lora_adapter", json=body), 403, "permission_error", None)

@@ -26,7 +26,7 @@ from loraplex.server.strict_fields import (
 )
 from tests.format_fixtures import ADDED_TOKENS, write_added_tokens_adapter
 from tests.reference import hf_greedy
-from tests.server_harness import BASE, Server, tiny_server
+from tests.server_harness import BASE, MODES, Server, tiny_server
 from tests.test_formats_reference import peft_model
 from tests.test_logprobs import hf_logprobs
 
@@ -35,10 +35,13 @@ ADAPTERS = ("r8_all", "r4_attn")
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
+@pytest.fixture(scope="module", params=MODES)
+def server(request: pytest.FixtureRequest, tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with tiny_server(tiny_llama, tiny_llama_adapters, ADAPTERS, (), tmp_path_factory.mktemp("root"), **CONFIG) as srv:
+    """In-process engine ("thread") and engine process ("process"): logprobs, prompt logprobs, n choices and
+    prompt lists cross the process boundary."""
+    with tiny_server(tiny_llama, tiny_llama_adapters, ADAPTERS, (), tmp_path_factory.mktemp("root"),
+                     mode=request.param, **CONFIG) as srv:
         yield srv
 
 
@@ -117,7 +120,7 @@ def test_chat_logprobs_with_official_client(server: Server, offline: LLM) -> Non
     assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-6)
 
 
-def test_echo_scores_prompts_like_hf_peft(server: Server, tiny_llama: Path,
+def test_echo_scores_prompts_like_hf_peft(server: Server, offline: LLM, tiny_llama: Path,
                                           tiny_llama_adapters: dict[str, Path]) -> None:
     """lm-eval's request: a prompt list, echo, logprobs 1, max_tokens 0 (and 1): the first prompt token's
     logprob is null, the others equal HF + PEFT log-softmax."""
@@ -126,7 +129,7 @@ def test_echo_scores_prompts_like_hf_peft(server: Server, tiny_llama: Path,
     assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 0
     assert r.choices[0].text == prompts[0]
     for choice, prompt in zip(r.choices, prompts, strict=True):
-        ids = server.engine.tokenize(prompt)
+        ids = offline.engine.tokenize(prompt)
         ref = hf_logprobs(tiny_llama, tiny_llama_adapters["r8_all"], ids)
         lp = choice.logprobs
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.tokens) == len(ids)
@@ -178,7 +181,7 @@ def test_tokenize_and_detokenize(server: Server, offline: LLM) -> None:
     r = httpx.post(f"{server.url}/tokenize", json={"model": "r8_all", "prompt": "Hello world",
                                                    "return_token_strs": True}).json()
     ids = offline.tokenizer.encode("Hello world")
-    assert r == {"count": len(ids), "max_model_len": server.engine.max_model_len, "tokens": ids,
+    assert r == {"count": len(ids), "max_model_len": server.engine_client.max_model_len, "tokens": ids,
                  "token_strs": offline.tokenizer.convert_ids_to_tokens(ids)}
     chat = httpx.post(f"{server.url}/tokenize", json={"model": BASE, "messages": MESSAGES}).json()
     full = server.client().chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=1)
@@ -218,17 +221,18 @@ def test_streamed_echo_leads_with_the_prompt(server: Server) -> None:
     assert streamed[1:] == pytest.approx(whole.choices[0].logprobs.token_logprobs[1:], abs=1e-6)
 
 
-def test_adapter_with_added_tokens_uses_its_tokenizer(server: Server, tiny_llama: Path, tmp_path: Path) -> None:
+def test_adapter_with_added_tokens_uses_its_tokenizer(server: Server, offline: LLM, tiny_llama: Path) -> None:
     """An adapter that adds tokens (its own tokenizer, a resized vocabulary): /tokenize, /detokenize, echo and
     logprob token strings use its tokenizer and vocabulary; the echoed prompt's and the generated tokens'
     logprobs equal PEFT on the resized base."""
     text = f"Call {ADDED_TOKENS[0]} then"
-    folder = write_added_tokens_adapter(tiny_llama, tmp_path / "added", "saved", server.engine.tokenize(text))
-    server.engine.load_adapter("added", folder)
+    folder = write_added_tokens_adapter(tiny_llama, server.root / "added", "saved", offline.engine.tokenize(text))
+    loaded = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "added", "lora_path": str(folder)})
+    assert loaded.status_code == 200, loaded.text
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         ids, vocab = tokenizer.encode(text, add_special_tokens=False), len(tokenizer)
-        assert max(ids) >= server.engine.model_config.vocab_size
+        assert max(ids) >= server.engine_client.vocab_size
         r = httpx.post(f"{server.url}/tokenize", json={"model": "added", "prompt": text, "add_special_tokens": False,
                                                        "return_token_strs": True}).json()
         assert r["tokens"] == ids and ADDED_TOKENS[0] in r["token_strs"]
@@ -249,4 +253,4 @@ def test_adapter_with_added_tokens_uses_its_tokenizer(server: Server, tiny_llama
                                                       abs=1e-4)
         assert out.choices[0].text == tokenizer.decode(everything)
     finally:
-        server.engine.unload_adapter("added")
+        httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "added"}).raise_for_status()

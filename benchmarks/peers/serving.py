@@ -10,7 +10,9 @@ and records throughput, TTFT and TPOT p50/p90/p99 and errors.
 
 A system *sustains* a rate when it completes every request and keeps up with the arrivals:
 completed / (last completion - first arrival - the fastest request's latency) >= 0.9 x the realised
-arrival rate (``--rescore`` recomputes this for an existing result file).
+arrival rate (``--rescore`` recomputes this for an existing result file). Before the servers start,
+the engine's offline request rate for each scenario's mix is measured (``offline_rate.py``, under
+each of ``--offline-policies``): issue 22 asks the highest sustained rate for >= 0.8x of it.
 
     .venv/bin/python -m benchmarks.peers.serving [--rates 0.5,1,2,3] [--duration 30]
 """
@@ -40,15 +42,37 @@ COMMON = ["--max-loras", "8", "--max-cpu-loras", "64", "--max-lora-rank", "16", 
 
 
 def server_commands(adapters: dict[str, Path], ports: dict[str, int]) -> dict[str, tuple[list[str], dict]]:
-    lp = [str(shared.LORAPLEX_BIN), "serve", "--model", shared.MODEL_NAME, "--dtype", "float32", *COMMON,
-          "--port", str(ports["loraplex"]), "--log-level", "WARNING"]
-    for name, path in adapters.items():
-        lp += ["--adapter", f"{name}={path}"]
+    """``loraplex`` (the engine in its own process), ``loraplex-inprocess`` (its step loop in a thread of
+    the API process: the architecture before issue 22; not run by default) and ``vllm``."""
+    def loraplex(port: int, *flags: str) -> list[str]:
+        cmd = [str(shared.LORAPLEX_BIN), "serve", "--model", shared.MODEL_NAME, "--dtype", "float32", *COMMON,
+               "--port", str(port), "--log-level", "WARNING", "--no-prefix-caching", *flags]  # as vLLM
+        for name, path in adapters.items():
+            cmd += ["--adapter", f"{name}={path}"]
+        return cmd
+
     vl = [str(shared.VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(shared.model_folder()),
           "--served-model-name", shared.MODEL_NAME, "--dtype", "float32", "--enable-lora", *COMMON,
           "--max-model-len", "1024", "--no-enable-prefix-caching", "--seed", "0", "--host", "127.0.0.1",
           "--port", str(ports["vllm"]), "--lora-modules", *[f"{n}={p}" for n, p in adapters.items()]]
-    return {"loraplex": (lp, {}), "vllm": (vl, shared.VLLM_ENV)}
+    return {"loraplex": (loraplex(ports["loraplex"]), {}),
+            "loraplex-inprocess": (loraplex(ports["loraplex-inprocess"], "--in-process-engine"), {}),
+            "vllm": (vl, shared.VLLM_ENV)}
+
+
+def offline_rates(scenarios: list[str], tokens: int, policies: list[str]) -> dict:
+    """The engine's offline request rate for each scenario's mix, under each OpenMP wait policy
+    ("default": the environment's own), measured in a subprocess (``offline_rate.py``)."""
+    out = {}
+    for policy in policies:
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        env.update({} if policy == "default" else {"OMP_WAIT_POLICY": policy})
+        run = subprocess.run([sys.executable, "-m", "benchmarks.peers.offline_rate", "--scenarios",
+                              ",".join(scenarios), "--tokens", str(tokens)],
+                             env=env, capture_output=True, text=True, check=True)
+        out[policy] = json.loads(run.stdout.strip().splitlines()[-1])
+        logging.info("offline request rate (OMP_WAIT_POLICY %s): %s", policy, out[policy]["req_s"])
+    return out
 
 
 def start(cmd: list[str], env: dict, log: Path, url: str, timeout: float = 600) -> subprocess.Popen:
@@ -108,7 +132,9 @@ def main() -> None:
     parser.add_argument("--rates", default="0.5,1,2,3", help="Poisson arrival rates, requests/s")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per point")
     parser.add_argument("--scenarios", default=",".join(f"{d}-{n}" for d, n in SCENARIOS))
-    parser.add_argument("--systems", default="loraplex,vllm")
+    parser.add_argument("--systems", default="loraplex,vllm", help="also: loraplex-inprocess")
+    parser.add_argument("--offline-policies", default="PASSIVE,default",
+                        help="OpenMP wait policies for the offline reference rate ('' to skip)")
     parser.add_argument("--tokens", type=int, default=shared.NEW_TOKENS, help="new tokens per request")
     parser.add_argument("--rescore", action="store_true", help="only recompute `sustained` in --out and print")
     args = parser.parse_args()
@@ -122,10 +148,14 @@ def main() -> None:
     scenarios = [(s.split("-")[0], int(s.split("-")[1])) for s in args.scenarios.split(",")]
     prompts = shared.prompts(AutoTokenizer.from_pretrained(embedded_checkpoint()), 32)
     adapters = shared.adapter_set(64)
-    ports = {"loraplex": 18101, "vllm": 18102}
+    ports = {"loraplex": 18101, "vllm": 18102, "loraplex-inprocess": 18103}
     urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
     results = {**shared.header(), "new_tokens": args.tokens, "rates": rates, "duration": args.duration,
                "points": [], "servers": {}}
+    policies = [p for p in args.offline_policies.split(",") if p]
+    if policies:
+        results["offline_rate"] = offline_rates([f"{d}-{n}" for d, n in scenarios], args.tokens, policies)
+        shared.write_json(args.out, results)
     procs = {}
     try:
         for name, (cmd, env) in server_commands(adapters, ports).items():
@@ -167,8 +197,33 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.0f}"
 
 
+def highest_sustained(results: dict) -> dict[str, dict[str, float | None]]:
+    """scenario -> system -> the highest rate it sustained (None: none of the rates tested)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for p in results["points"]:
+        best = out.setdefault(p["scenario"], {}).setdefault(p["system"], None)
+        if p["sustained"] and (best is None or p["rate"] > best):
+            out[p["scenario"]][p["system"]] = p["rate"]
+    return out
+
+
+def offline_reference(results: dict, scenario: str) -> float | None:
+    """The engine's offline request rate for ``scenario``: the better of the policies measured."""
+    rates = [r["req_s"][scenario] for r in results.get("offline_rate", {}).values() if scenario in r["req_s"]]
+    return max(rates) if rates else None
+
+
 def print_summary(results: dict) -> None:
     print(f"\n{results['machine']}  ({results['date']}, load avg {results['load_avg'][0]:.1f})\n")
+    rows = []
+    for scenario, systems in highest_sustained(results).items():
+        ref = offline_reference(results, scenario)
+        for system, rate in systems.items():
+            ratio = "" if ref is None or rate is None else f"{rate / ref:.2f}"
+            rows.append([scenario, system, "none" if rate is None else f"{rate:.2f}",
+                         "" if ref is None else f"{ref:.2f}", ratio])
+    shared.print_table(rows, ["scenario", "system", "highest sustained req/s", "offline req/s", "ratio"])
+    print()
     rows = []
     for p in results["points"]:
         rows.append([p["scenario"], f"{p['rate']:.2f}", p["system"], f"{p['req_s']:.2f}", f"{p['tok_s']:.1f}",

@@ -1,4 +1,8 @@
-"""``AsyncEngine``: the engine's step loop beside an asyncio server.
+"""``AsyncEngine``: the engine's step loop in a thread beside an asyncio server (an ``EngineClient``).
+
+The in-process engine client: for embedding (``create_app(Engine)``), tests and Ray Serve replicas.
+``loraplex serve`` runs the engine in its own process instead (``engine/process_client.py``), so the
+step loop never shares a GIL with the HTTP side.
 
 Threads, and what each one does:
 
@@ -20,61 +24,27 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from loraplex.engine.client import EngineClient, EngineHealth, EngineInfo, RequestStream, StepObserver, deliver
 from loraplex.engine.request import RequestOutput, SamplingParams
+from loraplex.engine.tokenizers import TokenizerTable
 from loraplex.errors import RequestError
 
 logger = logging.getLogger(__name__)
 
-StepObserver = Callable[[float, list[RequestOutput]], None]  # (step seconds, outputs)
 _IDLE_POLL_S = 0.005  # back-off when the engine has queued work but could not schedule any
 
 
-class RequestStream:
-    """Outputs of one submitted request, in order; the last one has ``finished`` set.
-
-    ``abort()`` (idempotent, also called when a ``generate`` consumer stops early) cancels the
-    request in the engine, which frees its KV blocks and its adapter pin.
-    """
-
-    def __init__(self, owner: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self.loop = loop
-        self.done = False
-        self._owner = owner
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """Called on the event loop (the step thread schedules it with ``call_soon_threadsafe``)."""
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.done:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.done = True
-            raise item
-        if item.finished:
-            self.done = True
-        return item
-
-    def abort(self) -> None:
-        if not self.done:
-            self.done = True
-            self._owner.abort(self.request_id)
-
-
-class AsyncEngine:
+class AsyncEngine(EngineClient):
     """Wraps a thread-safe ``Engine`` (see docs/internals.md) for asyncio callers."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+        self.config = engine.config
+        self.info = EngineInfo.of(engine)
+        self.tokenizer = engine.tokenizer
         self.step_observers: list[StepObserver] = []
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams
@@ -82,9 +52,10 @@ class AsyncEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+    def health(self) -> EngineHealth:
+        if self._thread is not None and self._thread.is_alive():
+            return EngineHealth("ready")
+        return EngineHealth("stopped", "step loop not running")
 
     def start(self) -> None:
         """Start the step thread (idempotent)."""
@@ -105,12 +76,6 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
-
-    async def submit(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None = None
-    ) -> RequestStream:
-        """Queue a request; raises the engine's ``UnknownAdapter`` / ``RequestError`` before queuing."""
-        return (await self.submit_many([(request_id, prompt, params, adapter)]))[0]
 
     async def submit_many(
         self, items: Sequence[tuple[str, str | list[int], SamplingParams, str | None]]
@@ -134,18 +99,6 @@ class AsyncEngine:
         self._wakeup.set()
         return streams
 
-    async def generate(
-        self, prompt: str | list[int], params: SamplingParams, adapter: str | None = None,
-        request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes; stopping early aborts it in the engine."""
-        stream = await self.submit(request_id or f"req-{time.monotonic_ns()}", prompt, params, adapter)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
-
     def abort(self, request_id: str) -> None:
         """Stop delivering outputs and abort the request in the engine (a no-op once it finished)."""
         self._forget(request_id)
@@ -159,6 +112,27 @@ class AsyncEngine:
     async def unload_adapter(self, name: str) -> None:
         await asyncio.to_thread(self.engine.unload_adapter, name)
         self._wakeup.set()
+
+    async def list_adapters(self) -> list[Any]:
+        return await asyncio.to_thread(self.engine.list_adapters)
+
+    async def stats(self) -> Any:
+        return await asyncio.to_thread(self.engine.stats)
+
+    async def adapter_snapshot(self) -> dict[str, Any]:
+        return await asyncio.to_thread(self.engine.adapter_snapshot)
+
+    def tokenizer_for(self, adapter: str | None) -> Any:
+        return self.engine.tokenizer_for(adapter)
+
+    def vocab_size_for(self, adapter: str | None) -> int:
+        return self.engine.vocab_size_for(adapter)
+
+    def served_adapters(self) -> dict[str, int]:
+        return {i.name: i.vocab_size or self.vocab_size for i in self.engine.list_adapters()}
+
+    def tokenizer_table(self) -> TokenizerTable:
+        return self.engine.tokenizer_table()
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
@@ -193,7 +167,7 @@ class AsyncEngine:
             for out in outputs:
                 if out.finished:
                     self._streams.pop(out.request_id, None)
-        self._send([(stream, out) for stream, out in targets if stream is not None])
+        deliver([(stream, out) for stream, out in targets if stream is not None])
 
     def _fail_all(self, exc: Exception) -> None:
         with self._lock:
@@ -201,22 +175,4 @@ class AsyncEngine:
             self._streams.clear()
         for stream in streams:
             self.engine.abort_request(stream.request_id)
-        self._send([(stream, exc) for stream in streams])
-
-    @staticmethod
-    def _send(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
-        """Hand a step's items to their streams: ONE ``call_soon_threadsafe`` per event loop, so the step
-        thread wakes each loop once per step rather than once per request (less GIL ping-pong)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput | BaseException]]] = {}
-        for stream, item in items:
-            by_loop.setdefault(stream.loop, []).append((stream, item))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:  # the consumers' event loop is closed
-                logger.debug("dropping %d outputs: their event loop is closed", len(batch))
-
-
-def _put_all(batch: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
-    for stream, item in batch:
-        stream.put(item)
+        deliver([(stream, exc) for stream in streams])

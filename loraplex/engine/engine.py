@@ -26,11 +26,12 @@ from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.invariants import check_right_kv, check_right_weights, keys_hold_all_kv_inputs
 from loraplex.engine.kv_cache import BlockManager, KVCache
 from loraplex.engine.logprobs import add_prompt_logprobs, needs_prompt_rows, token_logprobs
-from loraplex.engine.request import Request, RequestOutput, SamplingParams
+from loraplex.engine.request import Request, RequestOutput, SamplingParams, check_context_length
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.engine.sampling import sample
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.stats import EngineStats, collect_stats
+from loraplex.engine.tokenizers import TokenizerTable
 from loraplex.errors import LoraplexError, RequestError
 from loraplex.layers.lora_linear import use_lora_kernels
 from loraplex.models.embedded import resolve_model
@@ -127,6 +128,10 @@ class Engine:
         """The vocabulary of ``adapter``'s live version (wider than the base's when it adds tokens)."""
         return self._version(self.adapters.resolve(adapter) if adapter is not None else None)[1]
 
+    def tokenizer_table(self) -> TokenizerTable:
+        """The live versions that ship their own tokenizer, as plain data (``engine/tokenizers.py``)."""
+        return TokenizerTable.of(self.adapters.list(), self.model_config.vocab_size)
+
     def _version(self, adapter_id: int | None) -> tuple[PreTrainedTokenizerBase | None, int]:
         """(tokenizer, vocabulary size) that a request for ``adapter_id`` (None: the base) uses."""
         info = self.adapters.info(adapter_id) if adapter_id is not None else None
@@ -149,22 +154,23 @@ class Engine:
         return list(prompt)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    adapter: str | None = None) -> str:
+                    adapter: str | None = None, detokenize: bool = True) -> str:
         """Validate and queue a request; raises before anything is queued. Returns its id."""
-        return self.add_requests([(request_id, prompt, params, adapter)])[0]
+        return self.add_requests([(request_id, prompt, params, adapter)], detokenize)[0]
 
-    def add_requests(self, items: Sequence[tuple[str | None, str | list[int], SamplingParams, str | None]]
-                     ) -> list[str]:
+    def add_requests(self, items: Sequence[tuple[str | None, str | list[int], SamplingParams, str | None]],
+                     detokenize: bool = True) -> list[str]:
         """Validate every ``(request_id, prompt, params, adapter)``, then queue them all at once, so they
         are admitted together (the choices of an ``n > 1`` request, the prompts of a prompt list); raises
         before anything is queued. Each request is one choice (``params.n == 1``): fan a request out with
-        ``params.choices()``. Returns their ids."""
-        requests = [self._make_request(*item) for item in items]
+        ``params.choices()``. Returns their ids. ``detokenize=False``: outputs carry token ids only (no
+        text, no stop strings), for a caller that detokenizes (``engine/output_processor.py``)."""
+        requests = [self._make_request(*item, detokenize) for item in items]
         self._inbox.put(requests)
         return [r.request_id for r in requests]
 
     def _make_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                      adapter: str | None) -> Request:
+                      adapter: str | None, detokenize: bool) -> Request:
         adapter_id = self.adapters.resolve(adapter) if adapter is not None else None
         tokenizer, vocab_size = self._version(adapter_id)  # the version's own tokenizer, if it ships one
         params.validate(vocab_size)
@@ -172,15 +178,10 @@ class Engine:
             raise RequestError(f"an engine request is one choice, got n={params.n}: submit params.choices() "
                                "(LLM.generate and the server do)", "n")
         token_ids = self._tokenize(prompt, tokenizer, vocab_size)
-        if not token_ids:
-            raise RequestError("prompt is empty", "prompt")
-        if len(token_ids) + params.max_tokens > self.max_model_len:
-            param = "prompt" if len(token_ids) >= self.max_model_len else "max_tokens"
-            raise RequestError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                               f"maximum context length of {self.max_model_len} tokens", param)
+        check_context_length(len(token_ids), params.max_tokens, self.max_model_len)
         generator = self._generator if params.seed is None else torch.Generator().manual_seed(params.torch_seed)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        detokenizer = IncrementalDetokenizer(tokenizer, params.stop)
+        detokenizer = IncrementalDetokenizer(tokenizer, params.stop) if detokenize else None
         return Request(request_id, token_ids, params, adapter, adapter_id, generator, detokenizer)
 
     def abort_request(self, request_id: str) -> None:
@@ -282,4 +283,3 @@ class Engine:
             finished=request.finished, finish_reason=request.finish_reason, error=request.error,
             logprobs=None if request.logprobs is None else list(request.logprobs),
             prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs))
-

@@ -10,13 +10,13 @@ import torch
 
 from loraplex.engine.logprobs import TokenLogprob
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.errors import LoraplexError
+from loraplex.errors import LoraplexError, RequestError
 
 if TYPE_CHECKING:
     from loraplex.engine.detokenizer import IncrementalDetokenizer
     from loraplex.engine.logits_processors import ProcessorState
 
-__all__ = ["Request", "RequestOutput", "RequestStatus", "SamplingParams", "TokenLogprob"]
+__all__ = ["Request", "RequestOutput", "RequestStatus", "SamplingParams", "TokenLogprob", "check_context_length"]
 
 
 @dataclass
@@ -90,3 +90,15 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+def check_context_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_note: str = "") -> None:
+    """Raise ``RequestError`` (on ``prompt``, or on ``max_tokens`` when the prompt alone fits) unless
+    the prompt's tokens plus ``max_tokens`` fit ``max_model_len``. ``prompt_note`` qualifies the count
+    (e.g. "at least ..." when it is a lower bound). An empty prompt is refused too."""
+    if num_prompt_tokens == 0:
+        raise RequestError("prompt is empty", "prompt")
+    if num_prompt_tokens + max_tokens > max_model_len:
+        param = "prompt" if num_prompt_tokens >= max_model_len else "max_tokens"
+        raise RequestError(f"prompt ({prompt_note}{num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
+                           f"maximum context length of {max_model_len} tokens", param)

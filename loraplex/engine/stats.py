@@ -22,6 +22,7 @@ class EngineStats:
     num_waiting: int
     num_running: int
     slots_in_use: int
+    slots_pinned: int  # slots held by running requests' adapters
     max_loras: int
     kv_blocks_free: int
     kv_blocks_total: int
@@ -52,7 +53,7 @@ def collect_stats(config: EngineConfig, scheduler: Scheduler, blocks: BlockManag
     by_version = blocks.counts_by_version()
     return EngineStats(
         num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),
-        slots_in_use=c["slots_in_use"], max_loras=config.max_loras,
+        slots_in_use=c["slots_in_use"], slots_pinned=c["slots_pinned"], max_loras=config.max_loras,
         kv_blocks_free=blocks.num_free, kv_blocks_total=blocks.num_total,
         loads=c["loads"], device_evictions=c["device_evictions"], host_evictions=c["host_evictions"],
         device_hits=c["device_hits"], host_hits=c["host_hits"], num_preemptions=scheduler.num_preemptions,

@@ -62,7 +62,7 @@ class EngineReplica:
         self.policy = AdapterPathPolicy(True, self.roots)
         # Auth is checked once, at the ingress; runtime loads are replaced by lazy loading.
         self.app = create_app(self.engine, served_model_name=config.served_model_name, api_key="")
-        self.async_engine = self.app.state.async_engine
+        self.async_engine = self.app.state.engine
         self.async_engine.start()
         self.held: set[str] = set()  # adapters in this replica's Serve multiplexing set
 

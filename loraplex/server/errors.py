@@ -72,7 +72,7 @@ def _validation_param(exc: RequestValidationError) -> tuple[str | None, str]:
     # (``("body", "TokenizeChatRequest", "messages")``): the field is the first snake_case name.
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     field = next((p for p in loc if not p[:1].isupper()), None)
-    if field is None and first.get("type") in ("model_attributes_type", "dict_type"):
+    if field is None and first.get("type") in ("model_attributes_type", "model_type", "dict_type"):
         return None, "the request body must be a JSON object"
     where = ".".join(loc) or "body"
     return field, f"{where}: {first['msg']}"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from loraplex.engine.async_engine import AsyncEngine, RequestStream
+from loraplex.engine.client import EngineClient, RequestStream
 from loraplex.engine.request import RequestOutput, SamplingParams
 from loraplex.errors import LoraplexError, RequestError, UnknownAdapter
 from loraplex.server.errors import ServerError, error_body, loraplex_error_event, loraplex_error_response
@@ -67,7 +67,7 @@ class _Timing:
         return None if self.first is None or self.last is None else self.last - self.first
 
 
-async def run_generation(engine: AsyncEngine, metrics: ServerMetrics, gen: Generation,
+async def run_generation(engine: EngineClient, metrics: ServerMetrics, gen: Generation,
                          request: Request) -> Response:
     timing = _Timing()
     choices = gen.params.choices()

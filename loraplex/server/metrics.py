@@ -1,13 +1,14 @@
 """Prometheus metrics, one ``CollectorRegistry`` per app (several apps can live in one process).
 
-Request-level series are recorded by the HTTP layer as requests finish; step latency by the step
-thread; engine state (queue length, running requests, slots, KV blocks, adapter and prefix-cache
-counters) is read
-from ``engine.stats()`` at scrape time, so it is never stale.
+Request-level series are recorded by the HTTP layer as requests finish; step latency after every
+step (a step observer); engine state (queue length, running requests, slots, KV blocks, adapter and
+prefix-cache counters) is read from the engine's ``stats()`` at scrape time (through the engine client:
+an RPC to the engine process in ``loraplex serve``), so it is never stale.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +27,7 @@ _STAT_GAUGES = {
     "num_waiting": ("loraplex_requests_waiting", "Requests queued, not yet scheduled."),
     "num_running": ("loraplex_requests_running", "Requests scheduled and decoding."),
     "slots_in_use": ("loraplex_adapter_slots_in_use", "Device adapter slots holding an adapter."),
+    "slots_pinned": ("loraplex_adapter_slots_pinned", "Device adapter slots pinned by running requests."),
     "max_loras": ("loraplex_adapter_slots_total", "Device adapter slots (max_loras)."),
     "kv_blocks_free": ("loraplex_kv_blocks_free", "Free KV-cache blocks."),
     "kv_blocks_total": ("loraplex_kv_blocks_total", "KV-cache blocks."),
@@ -51,16 +53,18 @@ _PREFIX_BY_ADAPTER = {
 
 
 class EngineStatsCollector(Collector):
-    """Reads ``engine.stats()`` on every scrape."""
+    """Turns the ``EngineStats`` of the scrape in progress (``stats``) into metrics."""
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
+    def __init__(self) -> None:
+        self.stats: Any = None
 
     def describe(self) -> list[Metric]:
-        return []  # no stats() call at registration time
+        return []  # nothing to describe before the first scrape
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine.stats()
+        stats = self.stats
+        if stats is None:
+            return
         for field, (name, doc) in _STAT_GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=getattr(stats, field))
         occupancy = stats.slots_in_use / stats.max_loras if stats.max_loras else 0.0
@@ -75,8 +79,10 @@ class EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: Any) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._engine_stats = EngineStatsCollector()
+        self._render_lock = threading.Lock()
         r = self.registry
         self.requests = Counter("loraplex_requests", "Finished requests by adapter and status.",
                                 ["adapter", "status"], registry=r)
@@ -93,7 +99,7 @@ class ServerMetrics:
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.runtime_loads = Counter("loraplex_runtime_adapter_loads", "Adapter loads through the API by result.",
                                      ["result"], registry=r)
-        r.register(EngineStatsCollector(engine))
+        r.register(self._engine_stats)
 
     def observe_step(self, seconds: float, outputs: list[RequestOutput]) -> None:
         self.step_latency.observe(seconds)
@@ -112,5 +118,8 @@ class ServerMetrics:
         if decode_seconds is not None and len(out.token_ids) > 1:
             self.tpot.observe(decode_seconds / (len(out.token_ids) - 1))
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, stats: Any) -> bytes:
+        """The Prometheus text, engine state from ``stats`` (the engine's ``EngineStats`` now)."""
+        with self._render_lock:
+            self._engine_stats.stats = stats
+            return generate_latest(self.registry)

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
 from loraplex.server.schemas import ErrorResponse
 from loraplex.server.strict_fields import (
@@ -31,9 +32,12 @@ STATUS_TEXT = {
     403: "Runtime adapter loading disabled, or the path is outside the adapter roots",
     404: "Unknown model or adapter, or no adapter at that path",
     409: "Adapter name already loaded, or its files changed on disk",
+    413: "The request body is larger than the server's limit (--max-request-bytes)",
     507: "The adapter's saved embed_tokens/lm_head rows would pass the saved-rows memory budget",
-    503: "The engine's step loop is not running",
+    503: "The engine is not running (starting, stopped, or its process died), or a request-preparation "
+         "worker died while preparing this request",
 }
+GENERATION_ERRORS = (400, 404, 409, 413, 503)  # what /v1/completions and /v1/chat/completions may answer
 
 
 def documented(ok: type[BaseModel] | None, *errors: int, stream: bool = False,
@@ -92,21 +96,35 @@ def _add_fields(schema: dict[str, Any], table: Mapping[str, tuple[tuple[Any, ...
 
 
 def install_openapi(app: FastAPI, *, max_model_len: int, auth: bool,
-                    served: Callable[[], tuple[list[str], int]]) -> None:
+                    served: Callable[[], tuple[list[str], int]],
+                    bodies: Mapping[str, type[BaseModel]] = {}) -> None:  # noqa: B006 - read only
     """Replace ``app.openapi`` with the completed schema, built on first use and cached until
     ``reset_openapi``. ``served()`` gives the model names a request may use now and the widest
-    vocabulary among them (an adapter may add tokens)."""
+    vocabulary among them (an adapter may add tokens). ``bodies`` (path -> model) are the POST bodies
+    that routes read by hand (parsed off the event loop), put back into the schema."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
                                  description="OpenAI-compatible API over one base model and its LoRA adapters.")
+            _add_bodies(schema, bodies)
             models, vocab = served()
             _complete(schema, vocab, max_model_len, auth, models)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _add_bodies(schema: dict[str, Any], bodies: Mapping[str, type[BaseModel]]) -> None:
+    if not bodies:
+        return
+    refs, defs = models_json_schema([(model, "validation") for model in bodies.values()],
+                                    ref_template="#/components/schemas/{model}")
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+    for path, model in bodies.items():
+        content = {"application/json": {"schema": refs[(model, "validation")]}}
+        schema["paths"][path]["post"]["requestBody"] = {"content": content, "required": True}
 
 
 def reset_openapi(app: FastAPI) -> None:

@@ -11,8 +11,7 @@ and ``GET /v1/slots`` the live adapter table it polls.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +23,11 @@ STATIC_DIR = Path(__file__).parent / "static"
 STATIC_PREFIX = "/playground"
 
 
-def mount_playground(app: FastAPI, adapter_snapshot: Callable[[], dict[str, Any]], runtime_adapters: bool) -> None:
+def mount_playground(app: FastAPI, adapter_snapshot: Callable[[], Awaitable[dict[str, Any]]],
+                     runtime_adapters: bool) -> None:
     """Add ``GET /``, ``/playground/*`` and ``GET /v1/slots`` to ``app``. ``adapter_snapshot`` is the
-    engine's ``adapter_snapshot``; it takes the adapter manager's lock, so it runs in a worker thread."""
+    engine client's (``EngineClient.adapter_snapshot``: a worker thread or the engine process takes the
+    adapter manager's lock, never the event loop)."""
 
     @app.get("/", include_in_schema=False)
     async def playground_page() -> FileResponse:
@@ -36,5 +37,5 @@ def mount_playground(app: FastAPI, adapter_snapshot: Callable[[], dict[str, Any]
 
     @app.get("/v1/slots")
     async def adapter_slots() -> dict[str, Any]:
-        snapshot = await asyncio.to_thread(adapter_snapshot)
+        snapshot = await adapter_snapshot()
         return {**snapshot, "runtime_adapters": runtime_adapters}

@@ -203,21 +203,29 @@ class ChatCompletionRequest(_SamplingFields):
             exc.param = renamed.get(exc.param) or exc.param
             raise
 
+    def prompt_text(self, tokenizer: Any) -> str:
+        """The messages rendered with the tokenizer's chat template (see ``chat_text``)."""
+        return chat_text(tokenizer, [m.template_message() for m in self.messages])
+
     def prompt_ids(self, tokenizer: Any) -> list[int]:
         return render_chat(tokenizer, [m.template_message() for m in self.messages])
 
 
-def render_chat(tokenizer: Any, conversation: list[dict[str, str]]) -> list[int]:
-    """Render messages with the tokenizer's chat template (``add_generation_prompt=True``) and tokenize the
-    text as is: the template writes every special token itself. A model without a template, or messages
-    its template refuses (e.g. roles that do not alternate), are a 400 on ``messages``."""
+def chat_text(tokenizer: Any, conversation: list[dict[str, str]]) -> str:
+    """Render messages with the tokenizer's chat template (``add_generation_prompt=True``). A model without
+    a template, or messages its template refuses (e.g. roles that do not alternate), are a 400 on
+    ``messages``."""
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model has no chat template; use /v1/completions", "messages")
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # jinja2 TemplateError and the template's own raise_exception()
         raise RequestError(f"the chat template refused these messages: {exc}", "messages") from exc
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def render_chat(tokenizer: Any, conversation: list[dict[str, str]]) -> list[int]:
+    """``chat_text`` tokenized as is: the template writes every special token itself."""
+    return list(tokenizer(chat_text(tokenizer, conversation), add_special_tokens=False)["input_ids"])
 
 
 class LoadAdapterRequest(_Body):
