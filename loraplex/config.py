@@ -237,6 +237,9 @@ class EngineConfig:
     # Waiting requests may skip ahead of one whose adapter cannot be placed, for at most this many
     # steps; then admission turns strictly first-come-first-served until it is placed (no starvation).
     max_skip_steps: int = 64
+    # Admission order: "fair" (per-tenant virtual token counters, engine/fair_share.py; one tenant gets
+    # plain FCFS) or "fcfs" (queue order, tenants ignored); priority orders within a tenant under "fair".
+    scheduling_policy: str = "fair"
     # Reuse the K/V of cached full blocks of a prompt's prefix computed under the same adapter version.
     enable_prefix_caching: bool = True
     # Check invariant 1 (each token's slot holds the adapter its request asked for) and that every KV
@@ -251,6 +254,7 @@ class EngineConfig:
     quantization: str | None = None
 
     QUANTIZATIONS: ClassVar[tuple[str, ...]] = ("int8",)
+    SCHEDULING_POLICIES: ClassVar[tuple[str, ...]] = ("fair", "fcfs")
 
     def __post_init__(self) -> None:
         if self.lora_kernels not in LORA_KERNELS:
@@ -261,6 +265,9 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in self.QUANTIZATIONS:
             raise ValueError(f"EngineConfig.quantization must be None or one of {self.QUANTIZATIONS}, "
                              f"got {self.quantization!r}")
+        if self.scheduling_policy not in self.SCHEDULING_POLICIES:
+            raise ValueError(f"EngineConfig.scheduling_policy must be one of {self.SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
         if self.saved_rows_budget_bytes < 0:
             raise ValueError(f"EngineConfig.saved_rows_budget_bytes must be >= 0, got {self.saved_rows_budget_bytes}")
         if self.num_threads is not None and self.num_threads < 1:

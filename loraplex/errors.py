@@ -64,6 +64,13 @@ class AdapterContentChanged(AdapterError):
     error_type = "conflict_error"
 
 
+class AdapterVersionConflict(AdapterError):
+    """A version operation the name's held versions do not allow (a rollback with no older version)."""
+
+    http_status = 409
+    error_type = "conflict_error"
+
+
 class AdapterMemoryBudgetExceeded(AdapterError):
     """Loading the adapter would pass the memory budget for saved vocabulary rows."""
 

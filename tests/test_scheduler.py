@@ -24,6 +24,9 @@ class Slots:
     def release(self, adapter_id: int) -> None:
         self.table.release(adapter_id)
 
+    def resident(self, adapter_id: int) -> bool:
+        return adapter_id in self.table.slot_of
+
 
 def make(max_loras: int, max_num_seqs: int, max_skip_steps: int = 64, blocks: int = 4096) -> tuple[Scheduler, Slots]:
     config = EngineConfig(max_loras=max_loras, max_cpu_loras=max(max_loras, 64), max_num_seqs=max_num_seqs,

@@ -22,6 +22,7 @@ class AdapterInfo:
     saved_bytes: int = 0  # saved vocabulary rows, counted in the budget
     uses_dora: bool = False
     tokenizer: Any = field(default=None, compare=False, repr=False)  # its own, or None: the base model's
+    loaded_at: float = 0.0  # when this version was loaded (Unix time)
 
 
 @dataclass

@@ -1,20 +1,21 @@
 """AdapterManager: adapter names -> versions, and versions through disk -> host memory -> device slots.
 
-Tiers: registry (name -> ``AdapterInfo``, unbounded), host memory (``max_cpu_loras`` versions, LRU),
-device slots (``max_loras``, written through ``writer``).
-- Ids are versions. Each successful ``load`` gets a fresh id; ``unload`` retires the id: it can no
-  longer be acquired (``failure(id)`` says why), but pins already held keep its slot intact until
-  the last ``release``, which clears the slot.
+Tiers: registry (names -> held versions: ``VersionTable``), host memory (``max_cpu_loras`` versions,
+LRU), device slots (``max_loras``, written through ``writer``).
+- Ids are versions. Each successful ``load`` gets a fresh id (``new_version=True`` promotes an existing
+  name to it; the versions it held stay acquirable); ``unload`` retires every version of the name
+  (as does a promotion past ``VersionTable.max_held`` for the oldest): it can no longer be acquired
+  (``failure(id)`` says why), but pins already held keep its slot intact until the last ``release``,
+  which clears the slot. ``drain_retired`` hands the retired ids to the engine (cache eviction).
 - Per request, ask then do: ``can_acquire(id)``, then ``acquire(id) -> slot`` (pins), and
   ``release(id)`` when the request stops running. ``can_acquire`` is False while every slot is
   pinned, or while the weights are not in host memory (it then starts a background re-read from
   the adapter's folder; a re-read whose content hash differs marks the id failed with
   ``AdapterContentChanged``). ``try_acquire`` does both atomically.
-- Per step, ``lora_batch(mapping)`` derives slot indices, memoised on (mapping, slot-table version);
-  every id in the mapping must be pinned.
-- ``load`` folds the version against the base weights once (``writer.prepare``: DoRA scales), reads
-  its own tokenizer if it ships one, and reserves its saved vocabulary rows in ``SavedRowsBudget``
-  (those versions stay in host memory while loaded); ``AdapterMemoryBudgetExceeded`` past the budget.
+- Per step, ``lora_batch(mapping)`` derives slot indices, memoised on (mapping, slot-table version).
+- ``load`` folds the version against the base weights once (``writer.prepare``: DoRA scales), reads its
+  own tokenizer if it ships one, and reserves its saved vocabulary rows in ``SavedRowsBudget`` (kept
+  in host memory while held); ``AdapterMemoryBudgetExceeded`` past the budget.
 - One re-entrant lock guards all state; adapter files are never read while it is held.
 """
 
@@ -22,24 +23,29 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from loraplex.adapters.budget import SavedRowsBudget
 from loraplex.adapters.host_cache import HostCache
 from loraplex.adapters.info import AdapterCounters, AdapterInfo
+from loraplex.adapters.integrity import check_tiers
 from loraplex.adapters.peft_format import read_peft_adapter
+from loraplex.adapters.rereads import Rereads
 from loraplex.adapters.slots import SlotTable, SlotWriter
 from loraplex.adapters.snapshot import tier_snapshot
 from loraplex.adapters.tokenizer import read_adapter_tokenizer
+from loraplex.adapters.versions import VersionTable
 from loraplex.adapters.weights import AdapterWeights
 from loraplex.config import ModelConfig
-from loraplex.errors import AdapterAlreadyLoaded, AdapterContentChanged, AdapterError, UnknownAdapter
+from loraplex.errors import AdapterAlreadyLoaded, AdapterError, UnknownAdapter
 from loraplex.ops.lora_batch import BatchMapping, LoRABatch, build_lora_batch
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AdapterManager:
@@ -53,60 +59,83 @@ class AdapterManager:
         self.budget = SavedRowsBudget(saved_rows_budget)
         self._counters = AdapterCounters()
         self._lock = threading.RLock()
-        self._names: dict[str, AdapterInfo] = {}  # live versions
-        self._infos: dict[int, AdapterInfo] = {}  # live versions + unloaded ones still pinned
+        self.versions = VersionTable()  # held versions (acquirable) per name
+        self._infos: dict[int, AdapterInfo] = {}  # held versions + retired ones still pinned
+        self._retired: list[int] = []  # retired since the last drain_retired
         self._failures: dict[int, AdapterError] = {}  # ids that can never be acquired again
         self._written: list[str | None] = [None] * max_loras  # content hash handed to the writer per slot
         self._next_id = 1
-        self._reads: dict[int, Future[None]] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-adapter-read")
+        self._rereads = Rereads(self._read, self._reread_done)
         self._memo: tuple[BatchMapping, int, LoRABatch, frozenset[int]] | None = None
         self._checked_version = 0
 
-    def load(self, name: str, path: str | Path) -> AdapterInfo:
-        """Read and validate ``path`` in the caller's thread, then register it as a new version."""
-        self._check_name_free(name, path)
+    def load(self, name: str, path: str | Path, new_version: bool = False) -> AdapterInfo:
+        """Read and validate ``path`` in the caller's thread, then register it as a new version (of an
+        existing name, which moves to it, only with ``new_version``)."""
+        self._check_name_free(name, path, new_version)
         weights = self._read(path)
         vocab_size = weights.vocab_size or self.model_config.vocab_size
         tokenizer = read_adapter_tokenizer(path, self.base_tokenizer, vocab_size)
         with self._lock:
-            self._check_name_free(name, path)
+            self._check_name_free(name, path, new_version)
             info = AdapterInfo(name, weights.path, self._next_id, weights.content_hash, weights.max_rank,
-                               weights.vocab_size, weights.saved_bytes, weights.uses_dora, tokenizer)
+                               weights.vocab_size, weights.saved_bytes, weights.uses_dora, tokenizer, time.time())
             self.budget.reserve(info.adapter_id, info.saved_bytes, f"{path}: adapter {name!r}")
             self._next_id += 1
-            self._names[name] = info
             self._infos[info.adapter_id] = info
+            for old in self.versions.add(info):
+                self._retire(old, f"adapter {name!r} version v{old.adapter_id} was retired by newer versions")
             self._put_host(info.adapter_id, weights)
             self._counters.loads += 1
         logger.info("loaded adapter %r (id %d, rank %d) from %s", name, info.adapter_id, info.max_rank, path)
         return info
 
     def unload(self, name: str) -> AdapterInfo:
-        """Retire ``name`` (returns the retired version): new resolves fail; pinned slots stay intact until
-        their last release."""
+        """Retire every version of ``name`` (returns the one it served): new resolves fail; pinned slots
+        stay intact until their last release."""
         with self._lock:
-            info = self._names.pop(name, None)
-            if info is None:
-                raise UnknownAdapter(f"no adapter named {name!r} is loaded")
-            self._failures[info.adapter_id] = UnknownAdapter(f"adapter {name!r} (id {info.adapter_id}) was unloaded")
-            self.host.pop(info.adapter_id)
-            if self.slot_table.pins(info.adapter_id) == 0:
-                self._drop(info.adapter_id)
-        logger.info("unloaded adapter %r (id %d)", name, info.adapter_id)
-        return info
+            infos = self.versions.remove(name)
+            for info in infos:
+                self._retire(info, f"adapter {name!r} (id {info.adapter_id}) was unloaded")
+        logger.info("unloaded adapter %r (versions %s)", name, ", ".join(f"v{i.adapter_id}" for i in infos))
+        return infos[-1]
+
+    def _retire(self, info: AdapterInfo, why: str) -> None:
+        self._failures[info.adapter_id] = UnknownAdapter(why)
+        self._retired.append(info.adapter_id)
+        self.host.pop(info.adapter_id)
+        if self.slot_table.pins(info.adapter_id) == 0:
+            self._drop(info.adapter_id)
+
+    def drain_retired(self) -> list[int]:
+        """Version ids retired since the last call."""
+        with self._lock:
+            retired, self._retired = self._retired, []
+            return retired
 
     def resolve(self, name: str) -> int:
+        """The version ``name`` serves now (ignoring a split)."""
         with self._lock:
-            info = self._names.get(name)
+            info = self.versions.current(name)
             if info is None:
                 raise UnknownAdapter(f"no adapter named {name!r} is loaded")
             return info.adapter_id
 
-    def list(self) -> list[AdapterInfo]:
-        """Live versions in load order (= id order)."""
+    def route(self, name: str, adapter_id: int | None = None) -> AdapterInfo:
+        """The version a new request of ``name`` runs on: ``adapter_id`` if given (it must still be held for
+        ``name``), else the split's next pick or the current version. Counts the request on it."""
         with self._lock:
-            return list(self._names.values())
+            return self.versions.route(name, adapter_id)
+
+    def with_versions(self, operation: Callable[[VersionTable], T]) -> T:
+        """``operation(self.versions)`` under the lock: rollback, split, listing (``VersionTable``)."""
+        with self._lock:
+            return operation(self.versions)
+
+    def list(self) -> list[AdapterInfo]:
+        """The version each name serves, in load order of the names."""
+        with self._lock:
+            return self.versions.currents()
 
     def info(self, adapter_id: int) -> AdapterInfo:
         with self._lock:
@@ -130,7 +159,7 @@ class AdapterManager:
             if adapter_id in self.slot_table.slot_of:
                 return True
             if not self.host.contains(adapter_id):
-                self._start_read(adapter_id)
+                self._rereads.start(self._infos[adapter_id])
                 return False
             return self.slot_table.can_acquire(adapter_id)
 
@@ -161,6 +190,11 @@ class AdapterManager:
             logger.debug("slot %d <- adapter %d (evicted %s)", slot, adapter_id, evicted)
             return slot
 
+    def resident(self, adapter_id: int) -> bool:
+        """Whether ``adapter_id`` sits in a device slot now (acquiring it writes no slot)."""
+        with self._lock:
+            return adapter_id in self.slot_table.slot_of
+
     def try_acquire(self, adapter_id: int) -> int | None:
         """``acquire`` if ``can_acquire`` (atomically), else None."""
         with self._lock:
@@ -174,10 +208,7 @@ class AdapterManager:
 
     def wait_for_read(self, adapter_id: int, timeout: float | None = None) -> None:
         """Block until a background re-read of ``adapter_id`` (if one is running) has finished."""
-        with self._lock:
-            future = self._reads.get(adapter_id)
-        if future is not None:
-            future.result(timeout)
+        self._rereads.wait(adapter_id, timeout)
 
     def lora_batch(self, mapping: BatchMapping) -> LoRABatch | None:
         """Slot indices for ``mapping`` (None if no token uses an adapter), memoised on
@@ -208,51 +239,35 @@ class AdapterManager:
         with self._lock:
             return dict(asdict(self._counters), slots_in_use=self.slot_table.in_use(),
                         slots_pinned=self.slot_table.pinned(), host_adapters=len(self.host),
-                        registered=len(self._names))
+                        registered=len(self.versions.currents()))
 
     def snapshot(self) -> dict[str, Any]:
         """Slots, pins, last use, host tier, registry and counters at one instant, as JSON-serialisable data
         (the shape is in ``loraplex/adapters/snapshot.py``); ``counters()`` is the metrics' cheaper view."""
         with self._lock:
-            live = list(self._names.values())
-            return tier_snapshot(self.slot_table, self.host, self._infos, live, asdict(self._counters))
+            return tier_snapshot(self.slot_table, self.host, self._infos, self.versions.all_held(),
+                                 asdict(self._counters))
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless slots, pins, writer-visible state and registry agree."""
         with self._lock:
-            self.slot_table.check_integrity()
-            version = self.slot_table.version
-            if version < self._checked_version:
-                raise AssertionError(f"slot version went back from {self._checked_version} to {version}")
-            self._checked_version = version
-            for slot, adapter_id in enumerate(self.slot_table.slots):
-                info = self._infos.get(adapter_id) if adapter_id is not None else None
-                if adapter_id is not None and info is None:
-                    raise AssertionError(f"slot {slot} holds adapter {adapter_id}, which is not registered")
-                if self._written[slot] != (info.content_hash if info else None):
-                    raise AssertionError(f"slot {slot}: writer got {self._written[slot]}, table says {info}")
-                if info and not self._is_live(adapter_id) and self.slot_table.pins(adapter_id) == 0:
-                    raise AssertionError(f"slot {slot} keeps unloaded, unpinned adapter {adapter_id}")
-            live = {i.adapter_id for i in self._names.values()}
-            if not set(self.host.ids()) <= live or self.host.evictable() > self.host.capacity:
-                raise AssertionError(f"host tier {self.host.ids()} holds ids outside {live} or is over capacity")
-            if self._memo is not None and self._memo[1] > version:
-                raise AssertionError("memoised indices are newer than the slot table")
+            held = {i.adapter_id for i in self.versions.all_held()}
+            self._checked_version = check_tiers(self.slot_table, self.host, self._infos, self._written, held,
+                                                self._checked_version, self._memo[1] if self._memo else None)
 
     def close(self) -> None:
         """Stop the background reader (pending reads are cancelled)."""
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._rereads.close()
 
-    def _check_name_free(self, name: str, path: str | Path) -> None:
+    def _check_name_free(self, name: str, path: str | Path, new_version: bool) -> None:
         with self._lock:
-            if name in self._names:
-                raise AdapterAlreadyLoaded(f"{path}: an adapter named {name!r} is already loaded "
-                                           f"(from {self._names[name].path}); unload it first")
+            if not new_version and (current := self.versions.current(name)) is not None:
+                raise AdapterAlreadyLoaded(f"{path}: an adapter named {name!r} is already loaded (from "
+                                           f"{current.path}); unload it first, or load it as a new version")
 
     def _is_live(self, adapter_id: int) -> bool:
-        """Registered and not unloaded (an unloaded version may still be pinned)."""
-        info = self._infos.get(adapter_id)
-        return info is not None and self._names.get(info.name) is info
+        """Held (not retired: a retired version may still be pinned)."""
+        return self.versions.is_held(adapter_id)
 
     def _read(self, path: str | Path) -> AdapterWeights:
         """Read, validate and fold one version (in the caller's thread)."""
@@ -272,27 +287,14 @@ class AdapterManager:
             self._written[slot] = None
             self.writer.clear_slot(slot)
 
-    def _start_read(self, adapter_id: int) -> None:
-        if adapter_id not in self._reads:
-            self._reads[adapter_id] = self._executor.submit(self._reread, self._infos[adapter_id])
-
-    def _reread(self, info: AdapterInfo) -> None:
-        """Background thread: re-read an adapter evicted from host memory; check it is unchanged."""
-        error: AdapterError | None = None
-        who = f"{info.path}: adapter {info.name!r} (id {info.adapter_id})"
-        try:
-            weights = self._read(info.path)
-            if weights.content_hash != info.content_hash:
-                error = AdapterContentChanged(f"{who} changed on disk since it was loaded; load it again")
-        except Exception as e:  # any failure must reach the waiting requests, not die in this thread
-            error = AdapterContentChanged(f"{who} could not be re-read: {e}")
+    def _reread_done(self, info: AdapterInfo, weights: AdapterWeights | None, error: AdapterError | None) -> None:
+        """The background re-read of ``info`` finished (reader thread)."""
         with self._lock:
-            del self._reads[info.adapter_id]
             self._counters.disk_reads += 1
             if not self._is_live(info.adapter_id):
                 return  # unloaded meanwhile
             if error is not None:
                 self._failures[info.adapter_id] = error
                 logger.warning("%s", error)
-            else:
+            elif weights is not None:
                 self._put_host(info.adapter_id, weights)

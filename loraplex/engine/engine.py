@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,16 +26,17 @@ from loraplex.config import EngineConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.invariants import check_right_kv, check_right_weights, keys_hold_all_kv_inputs
 from loraplex.engine.kv_cache import BlockManager, KVCache
-from loraplex.engine.logprobs import add_prompt_logprobs, needs_prompt_rows, token_logprobs
+from loraplex.engine.logprobs import add_prompt_logprobs, needs_prompt_rows
 from loraplex.engine.request import Request, RequestOutput, SamplingParams, check_context_length
 from loraplex.engine.runner import ModelRunner, StepEntry
-from loraplex.engine.sampling import sample
+from loraplex.engine.sampling import sample_rows
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.stats import EngineStats, collect_stats
 from loraplex.engine.tokenizers import TokenizerTable
 from loraplex.errors import LoraplexError, RequestError
 from loraplex.layers.lora_linear import use_lora_kernels
 from loraplex.models.embedded import resolve_model
+from loraplex.models.fingerprint import checkpoint_fingerprint
 from loraplex.models.loader import load_model
 from loraplex.models.registry import model_config
 from loraplex.ops.lora import resolve_lora_kernels
@@ -93,6 +95,8 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._generator = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
+        self._fingerprint: str | None = None
+        self._fingerprint_lock = threading.Lock()
         logger.info("model %s (%s, %s on %s): %d layers; %d LoRA slots, host tier %d, max rank %d, %s LoRA "
                     "kernels; KV cache %d blocks x %d tokens (%.1f MiB)", self.model_name,
                     self.model_config.architecture, self.dtype, self.device, self.model_config.num_layers,
@@ -102,13 +106,46 @@ class Engine:
         logger.info("%s", self.adapters.budget.describe(row_bytes * self.model_config.vocab_size, row_bytes))
 
     # ---- adapters (any thread) ----
-    def load_adapter(self, name: str, path: str | Path) -> AdapterInfo:
-        return self.adapters.load(name, str(path))
+    def load_adapter(self, name: str, path: str | Path, new_version: bool = False) -> AdapterInfo:
+        """Register ``path`` as a new version of ``name``; ``new_version`` promotes an existing name to it
+        (in one step: requests already queued or running keep the version they resolved to)."""
+        info = self.adapters.load(name, str(path), new_version)
+        self._retire_dropped()
+        return info
 
     def unload_adapter(self, name: str) -> None:
-        """Retire ``name``'s version (running requests finish with it); reloading the name makes a new one."""
-        info = self.adapters.unload(name)
-        self._inbox.put(_Retire(info.adapter_id))
+        """Retire every version of ``name`` (running requests finish with theirs); reloading makes a new one."""
+        self.adapters.unload(name)
+        self._retire_dropped()
+
+    def _retire_dropped(self) -> None:
+        for adapter_id in self.adapters.drain_retired():
+            self._inbox.put(_Retire(adapter_id))
+
+    def route_adapter(self, name: str) -> AdapterInfo:
+        """The version ``name``'s next request runs on (its split's pick or current version), counted as
+        served; submit the request with ``adapter_version=info.adapter_id`` to run it there."""
+        return self.adapters.route(name)
+
+    def rollback_adapter(self, name: str) -> AdapterInfo:
+        """Move ``name`` back to the held version loaded before its current one (``AdapterVersionConflict``
+        if none is held); returns it."""
+        return self.adapters.with_versions(lambda versions: versions.rollback(name))
+
+    def split_adapter(self, name: str, weights: dict[int, float]) -> None:
+        """Route ``name``'s new requests among its held versions by ``weights`` (version id -> share)."""
+        self.adapters.with_versions(lambda versions: versions.set_split(name, weights))
+
+    def adapter_versions(self) -> list[dict[str, Any]]:
+        """Names -> held versions (id, content hash, path, loaded at, requests served), as plain data."""
+        return self.adapters.with_versions(lambda versions: versions.listing())
+
+    def base_fingerprint(self) -> str:
+        """The base checkpoint's fingerprint (``checkpoint_fingerprint``), computed on first call."""
+        with self._fingerprint_lock:
+            if self._fingerprint is None:
+                self._fingerprint = checkpoint_fingerprint(self.model_path)
+            return self._fingerprint
 
     def list_adapters(self) -> list[AdapterInfo]:
         return self.adapters.list()
@@ -154,24 +191,28 @@ class Engine:
         return list(prompt)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    adapter: str | None = None, detokenize: bool = True) -> str:
+                    adapter: str | None = None, detokenize: bool = True, **tags: Any) -> str:
         """Validate and queue a request; raises before anything is queued. Returns its id."""
-        return self.add_requests([(request_id, prompt, params, adapter)], detokenize)[0]
+        return self.add_requests([(request_id, prompt, params, adapter)], detokenize, **tags)[0]
 
     def add_requests(self, items: Sequence[tuple[str | None, str | list[int], SamplingParams, str | None]],
-                     detokenize: bool = True) -> list[str]:
+                     detokenize: bool = True, tenant: str | None = None, priority: int = 0,
+                     adapter_version: int | None = None) -> list[str]:
         """Validate every ``(request_id, prompt, params, adapter)``, then queue them all at once, so they
         are admitted together (the choices of an ``n > 1`` request, the prompts of a prompt list); raises
         before anything is queued. Each request is one choice (``params.n == 1``): fan a request out with
         ``params.choices()``. Returns their ids. ``detokenize=False``: outputs carry token ids only (no
-        text, no stop strings), for a caller that detokenizes (``engine/output_processor.py``)."""
-        requests = [self._make_request(*item, detokenize) for item in items]
+        text, no stop strings), for a caller that detokenizes (``engine/output_processor.py``).
+        ``tenant``, ``priority``: admission order (``fair_share.py``); ``adapter_version`` pins a held version."""
+        requests = [self._make_request(*item, detokenize, adapter_version) for item in items]
+        for request in requests:
+            request.tenant, request.priority = tenant, priority
         self._inbox.put(requests)
         return [r.request_id for r in requests]
 
     def _make_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                      adapter: str | None, detokenize: bool) -> Request:
-        adapter_id = self.adapters.resolve(adapter) if adapter is not None else None
+                      adapter: str | None, detokenize: bool, adapter_version: int | None = None) -> Request:
+        adapter_id = self.adapters.route(adapter, adapter_version).adapter_id if adapter is not None else None
         tokenizer, vocab_size = self._version(adapter_id)  # the version's own tokenizer, if it ships one
         params.validate(vocab_size)
         if params.n != 1:
@@ -215,31 +256,16 @@ class Engine:
                 for i in (i for i, e in enumerate(entries) if e.all_logits):
                     add_prompt_logprobs(batch[i].request, batch[i].start,
                                         logits[ends[i] - entries[i].num_logits : ends[i]])
-                tokens = self._sample(logits, [ends[i] - 1 for i, s in enumerate(batch) if s.draws],
-                                      [s.request for s in batch if s.draws])
+                tokens = sample_rows(logits, [ends[i] - 1 for i, s in enumerate(batch) if s.draws],
+                                     [s.request for s in batch if s.draws], self.model_config.eos_token_ids)
         except BaseException:
             self.scheduler.undo(batch)  # nothing of this step may be reused or counted
             raise
         for request in self.scheduler.update(batch, tokens):
             if request.finished:
                 self._requests.pop(request.request_id, None)
-            outputs.append(self._output(request))
+            outputs.append(request.output())
         return outputs
-
-    def _sample(self, logits: torch.Tensor, rows: list[int], requests: list[Request]) -> list[int]:
-        """Draw each request's next token from its row of ``logits`` and record the logprobs it asked for
-        (from the raw logits, before the sampler's processors change them in place)."""
-        if not rows:
-            return []
-        logits = logits if rows == list(range(logits.shape[0])) else logits[rows]  # [S, vocab]
-        asking = [j for j, r in enumerate(requests) if r.params.logprobs is not None]
-        raw = logits[asking] if asking else None  # a copy
-        tokens = sample(logits, requests, self.model_config.eos_token_ids)
-        if raw is not None:
-            found = token_logprobs(raw, [tokens[j] for j in asking], [requests[j].params.logprobs for j in asking])
-            for j, entry in zip(asking, found, strict=True):
-                requests[j].logprobs.append(entry)
-        return tokens
 
     def _drain_inbox(self) -> list[RequestOutput]:
         outputs = []
@@ -271,15 +297,4 @@ class Engine:
         self.scheduler.finish(request, reason)
         request.error = error
         self._requests.pop(request.request_id, None)
-        return self._output(request)
-
-    @staticmethod
-    def _output(request: Request) -> RequestOutput:
-        detok = request.detokenizer
-        return RequestOutput(
-            request_id=request.request_id, adapter=request.adapter,
-            prompt_token_ids=request.prompt_token_ids, token_ids=list(request.output_token_ids),
-            text=detok.text if detok else "", delta_text=detok.pop_delta(request.finished) if detok else "",
-            finished=request.finished, finish_reason=request.finish_reason, error=request.error,
-            logprobs=None if request.logprobs is None else list(request.logprobs),
-            prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs))
+        return request.output()

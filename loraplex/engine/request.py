@@ -61,6 +61,9 @@ class Request:
     generator: torch.Generator | None
     detokenizer: IncrementalDetokenizer | None = None  # None: no stop strings, no text (token ids only)
     arrival_step: int = 0
+    tenant: str | None = None  # who is served (fair share per tenant); None: the anonymous tenant
+    priority: int = 0  # vLLM's request priority: lower is admitted first within its tenant
+    charged_tokens: int = 0  # positions already charged to its tenant's fair-share counter
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
@@ -90,6 +93,17 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def output(self) -> RequestOutput:
+        """Its state now as a ``RequestOutput`` (takes the text added since the previous output)."""
+        detok = self.detokenizer
+        return RequestOutput(
+            request_id=self.request_id, adapter=self.adapter,
+            prompt_token_ids=self.prompt_token_ids, token_ids=list(self.output_token_ids),
+            text=detok.text if detok else "", delta_text=detok.pop_delta(self.finished) if detok else "",
+            finished=self.finished, finish_reason=self.finish_reason, error=self.error,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs))
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_note: str = "") -> None:

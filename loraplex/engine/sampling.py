@@ -10,15 +10,36 @@ seeded row (its own generator, so a seeded request's tokens do not depend on the
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from loraplex.engine.logits_processors import ProcessedRow, apply_logits_processors
+from loraplex.engine.logprobs import token_logprobs
+
+if TYPE_CHECKING:
+    from loraplex.engine.request import Request
 
 
 class SampledRow(ProcessedRow, Protocol):
     generator: torch.Generator
+
+
+def sample_rows(logits: torch.Tensor, rows: list[int], requests: list[Request],
+                eos_token_ids: Collection[int]) -> list[int]:
+    """Draw each request's next token from its row ``rows[i]`` of ``logits`` [R, vocab] and record the
+    logprobs it asked for (from the raw logits, before the sampler's processors change them in place)."""
+    if not rows:
+        return []
+    logits = logits if rows == list(range(logits.shape[0])) else logits[rows]  # [S, vocab]
+    asking = [j for j, r in enumerate(requests) if r.params.logprobs is not None]
+    raw = logits[asking] if asking else None  # a copy
+    tokens = sample(logits, requests, eos_token_ids)
+    if raw is not None:
+        found = token_logprobs(raw, [tokens[j] for j in asking], [requests[j].params.logprobs for j in asking])
+        for j, entry in zip(asking, found, strict=True):
+            requests[j].logprobs.append(entry)
+    return tokens
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SampledRow], eos_token_ids: Collection[int] = ()) -> list[int]:

@@ -4,16 +4,20 @@ Policy, once per step:
 1. Running requests go first, oldest first: a decode token each, or the next chunk of an unfinished
    prefill. If the KV cache cannot grow, the newest running request is preempted (its blocks are
    returned; it keeps its adapter pin and is recomputed later from its prompt and its tokens so far).
-2. Waiting requests are admitted, oldest first, while ``max_num_seqs``, the step's token budget
-   (``max_num_batched_tokens``) and the KV cache allow, and only if their adapter can be pinned in a
-   device slot. One whose adapter cannot be placed yet stays queued while younger requests whose
-   adapters fit go ahead, so the batch stays full. No starvation: once the oldest waiting request
-   has waited ``max_skip_steps`` steps, admission turns strict: it still goes oldest first and places
-   adapters in free or unpinned slots, but after the first request that cannot be placed, only
+2. Waiting requests are admitted in fair order (``engine/fair_share.py``: the tenant with the least
+   service first, by virtual token counters, priority within a tenant; with one tenant or
+   ``scheduling_policy="fcfs"``: queue order, oldest first), while ``max_num_seqs``, the step's token
+   budget (``max_num_batched_tokens``) and the KV cache allow, and only if their adapter can be
+   pinned in a device slot. One whose adapter cannot be placed yet stays queued while requests behind
+   it whose adapters fit go ahead, so the batch stays full. No starvation: once the first request in
+   that order has waited ``max_skip_steps`` steps, admission turns strict: it still goes in order and
+   places adapters in free or unpinned slots, but after the first request that cannot be placed, only
    *ride-alongs* are admitted: requests without an adapter, or whose adapter is already pinned by
    running requests and whose ``max_tokens`` left is no more than theirs. A ride-along never delays
    the moment a slot drains, so the pinned slots empty and the blocked request is placed next, while
    the batch stays as full as that allows (all requests of the placed adapters join together).
+   Every token a step computes, and every slot write an admission causes, is charged to the
+   request's tenant (``fair_share``; also kept under FCFS, for the service-per-tenant metrics).
 Prefill and decode share a step; a prompt longer than the remaining budget is prefilled in chunks.
 Prefix caching (the block manager's index): an admitted request starts with the longest prefix of its
 full blocks that is cached under its adapter version (never its last token, which must be computed to
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 from loraplex.adapters.manager import AdapterManager
 from loraplex.config import EngineConfig
 from loraplex.engine.block_hash import extend_chain
+from loraplex.engine.fair_share import FairShare
 from loraplex.engine.kv_cache import BlockManager
 from loraplex.engine.request import Request, RequestStatus
 
@@ -57,8 +62,8 @@ class ScheduledRequest:
 
 
 class Scheduler:
-    """``adapters`` needs only ``try_acquire(id) -> slot | None`` and ``release(id)``; a request stops at
-    any of ``eos_token_ids`` (unless it ignores EOS) and at ``max_model_len`` tokens."""
+    """``adapters`` needs only ``try_acquire(id) -> slot | None``, ``resident(id)`` and ``release(id)``; a
+    request stops at any of ``eos_token_ids`` (unless it ignores EOS) and at ``max_model_len`` tokens."""
 
     def __init__(self, config: EngineConfig, allocator: BlockManager, adapters: AdapterManager,
                  eos_token_ids: Sequence[int] = (), max_model_len: int | None = None) -> None:
@@ -73,9 +78,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.step_count = 0
         self.num_preemptions = 0
+        self.fair_share = FairShare()
 
     def add(self, request: Request) -> None:
         request.arrival_step = self.step_count
+        self.fair_share.arrive(request)
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -95,6 +102,7 @@ class Scheduler:
             if not self._grow(request, n, scheduled):
                 continue
             self._key_filled_blocks(request, request.num_computed_tokens, n)
+            self.fair_share.charge_tokens(request, request.num_computed_tokens, n)
             scheduled.append(ScheduledRequest(request, request.num_computed_tokens, n))
             budget -= n
         if self.num_preemptions == preemptions_before:  # admitting now would only thrash the cache
@@ -103,9 +111,12 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[ScheduledRequest]:
         admitted: list[ScheduledRequest] = []
-        strict = bool(self.waiting) and self.step_count - self.waiting[0].arrival_step > self.config.max_skip_steps
+        order = self.fair_share.order(self.waiting) if self.config.scheduling_policy == "fair" else list(self.waiting)
+        strict = None
         blocked = False  # strict mode met a request whose adapter cannot be placed: only ride-alongs now
-        for request in list(self.waiting):
+        for request in order:
+            if strict is None:  # the first request in order decides
+                strict = self.step_count - request.arrival_step > self.config.max_skip_steps
             if len(self.running) >= self.config.max_num_seqs or budget <= 0:
                 break
             eligible = self._chain(request)[: self._reusable_tokens(request) // self.config.block_size]
@@ -119,13 +130,17 @@ class Scheduler:
                 continue
             if request.adapter_id is not None and not request.pinned:
                 # One locked ask-and-do: a concurrent load cannot slip between the two.
+                resident = self.adapters.resident(request.adapter_id)
                 if self.adapters.try_acquire(request.adapter_id) is None:
                     blocked = blocked or strict
                     continue
                 request.pinned = True
+                if not resident:
+                    self.fair_share.charge_swap(request)
             request.block_table = self.allocator.allocate(blocks, request.adapter_id, prefix)
             request.num_computed_tokens = start
             self._key_filled_blocks(request, start, n)
+            self.fair_share.charge_tokens(request, start, n)
             request.status = RequestStatus.RUNNING
             self.waiting.remove(request)
             self.running.append(request)
@@ -241,6 +256,8 @@ class Scheduler:
 
     def finish(self, request: Request, reason: str) -> None:
         """Remove ``request`` from whichever queue holds it and return its blocks and pin."""
+        if request.status is not RequestStatus.FINISHED:
+            self.fair_share.leave(request)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:

@@ -1,0 +1,150 @@
+"""``VersionTable``: adapter names -> the versions held for each, which one the name serves, and an
+optional weighted split between held versions (a canary).
+
+- Every load makes a version (``AdapterInfo.adapter_id``, shown as ``v<id>``); loading an existing name
+  as a new version *promotes* it: the name moves to it in one step, and the version it served stays
+  held (its requests in flight finish on it; new requests may be rolled back to it).
+- ``rollback(name)`` moves the name back to the held version loaded before the current one.
+- ``set_split(name, {id: weight})`` routes each new request of the name to one of the held versions,
+  by smooth weighted round-robin (nginx's): exact proportions over every window of ``sum`` requests
+  for integer ratios, and deterministic (a test or an auditor can reproduce the sequence). A promotion,
+  a rollback or a split of one version clears it.
+- At most ``max_held`` versions per name are held; promoting past that retires the oldest.
+Not thread-safe: ``AdapterManager`` calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from loraplex.adapters.info import AdapterInfo
+from loraplex.errors import AdapterVersionConflict, RequestError, UnknownAdapter
+
+
+class VersionTable:
+    def __init__(self, max_held: int = 4) -> None:
+        self.max_held = max_held
+        self._held: dict[str, list[AdapterInfo]] = {}  # oldest first
+        self._current: dict[str, AdapterInfo] = {}
+        self._split: dict[str, list[list[float]]] = {}  # name -> [[adapter_id, weight, running score]]
+        self._by_id: dict[int, AdapterInfo] = {}
+        self.served: dict[int, int] = {}  # adapter id -> engine requests queued on it
+
+    def current(self, name: str) -> AdapterInfo | None:
+        return self._current.get(name)
+
+    def currents(self) -> list[AdapterInfo]:
+        """The version each name serves now, in name-load order."""
+        return list(self._current.values())
+
+    def all_held(self) -> list[AdapterInfo]:
+        """Every held version, in id order."""
+        return sorted(self._by_id.values(), key=lambda i: i.adapter_id)
+
+    def held(self, name: str) -> list[AdapterInfo]:
+        return list(self._held.get(name, ()))
+
+    def is_held(self, adapter_id: int) -> bool:
+        return adapter_id in self._by_id
+
+    def split(self, name: str) -> dict[int, float]:
+        return {int(entry[0]): entry[1] for entry in self._split.get(name, ())}
+
+    def add(self, info: AdapterInfo) -> list[AdapterInfo]:
+        """Hold ``info`` and move its name to it; returns the versions retired past ``max_held``."""
+        held = self._held.setdefault(info.name, [])
+        held.append(info)
+        self._by_id[info.adapter_id] = info
+        self.served[info.adapter_id] = 0
+        self._current[info.name] = info
+        self._split.pop(info.name, None)
+        retired = held[: max(0, len(held) - self.max_held)]
+        for old in retired:
+            self._forget(old)
+        return retired
+
+    def remove(self, name: str) -> list[AdapterInfo]:
+        """Forget ``name`` and every version held for it (returned, current last)."""
+        if name not in self._current:
+            raise UnknownAdapter(f"no adapter named {name!r} is loaded")
+        current = self._current.pop(name)
+        held = self._held.pop(name)
+        self._split.pop(name, None)
+        for info in held:
+            del self._by_id[info.adapter_id]
+            self.served.pop(info.adapter_id, None)
+        return [i for i in held if i is not current] + [current]
+
+    def rollback(self, name: str) -> AdapterInfo:
+        """Move ``name`` to the held version loaded before its current one; returns it."""
+        current = self._require(name)
+        held = self._held[name]
+        index = held.index(current)
+        if index == 0:
+            raise AdapterVersionConflict(
+                f"adapter {name!r} holds no version older than v{current.adapter_id} to roll back to")
+        self._current[name] = held[index - 1]
+        self._split.pop(name, None)
+        return held[index - 1]
+
+    def set_split(self, name: str, weights: Mapping[int, float]) -> None:
+        """Route ``name``'s new requests among held versions by ``weights`` (positive, summing to 1)."""
+        self._require(name)
+        ids = {i.adapter_id for i in self._held[name]}
+        unknown = sorted(set(weights) - ids)
+        if not weights or unknown:
+            raise UnknownAdapter(f"adapter {name!r} holds no version {', '.join(f'v{i}' for i in unknown)}"
+                                 if unknown else "split names no version")
+        if any(not (w > 0 and math.isfinite(w)) for w in weights.values()) or abs(sum(weights.values()) - 1) > 1e-6:
+            raise RequestError(f"split weights must be positive and sum to 1, got {dict(weights)}", "split")
+        if len(weights) == 1:  # one version: a promotion
+            self._current[name] = self._by_id[next(iter(weights))]
+            self._split.pop(name, None)
+            return
+        self._split[name] = [[float(i), w, 0.0] for i, w in sorted(weights.items())]
+
+    def route(self, name: str, adapter_id: int | None = None) -> AdapterInfo:
+        """The version a new request of ``name`` runs on: ``adapter_id`` if given (it must be held for
+        ``name``; routed before, so not counted again), else the split's next pick or the current version,
+        counted as serving one more request."""
+        current = self._require(name)
+        entries = self._split.get(name)
+        if adapter_id is not None:
+            info = self._by_id.get(adapter_id)
+            if info is None or info.name != name:
+                raise UnknownAdapter(f"adapter {name!r} holds no version v{adapter_id}")
+            return info
+        if entries:
+            for entry in entries:  # smooth weighted round-robin
+                entry[2] += entry[1]
+            best = max(entries, key=lambda e: e[2])
+            best[2] -= 1.0
+            info = self._by_id[int(best[0])]
+        else:
+            info = current
+        self.served[info.adapter_id] += 1
+        return info
+
+    def listing(self) -> list[dict[str, Any]]:
+        """Every name with its current version, split and held versions, as JSON-serialisable data."""
+        return [{"name": name, "current": f"v{current.adapter_id}",
+                 "split": {f"v{i}": w for i, w in self.split(name).items()} or None,
+                 "versions": [{"id": f"v{i.adapter_id}", "content_hash": i.content_hash, "path": str(i.path),
+                               "loaded_at": i.loaded_at, "requests_served": self.served[i.adapter_id]}
+                              for i in self._held[name]]}
+                for name, current in self._current.items()]
+
+    def _require(self, name: str) -> AdapterInfo:
+        current = self._current.get(name)
+        if current is None:
+            raise UnknownAdapter(f"no adapter named {name!r} is loaded")
+        return current
+
+    def _forget(self, info: AdapterInfo) -> None:
+        self._held[info.name].remove(info)
+        del self._by_id[info.adapter_id]
+        self.served.pop(info.adapter_id, None)
+        for entries in self._split.values():
+            entries[:] = [e for e in entries if int(e[0]) != info.adapter_id]
