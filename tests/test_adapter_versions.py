@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.errors import AdapterAlreadyLoaded, AdapterVersionConflict, RequestError, UnknownAdapter
 from loraplex.config import ModelConfig
+from loraplex.errors import AdapterAlreadyLoaded, AdapterVersionConflict, RequestError, UnknownAdapter
 from tests.test_manager import make_manager
 
 
