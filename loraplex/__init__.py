@@ -2,6 +2,7 @@
 
 from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.request import RequestOutput, SamplingParams
+from loraplex.engine.structured.params import StructuredOutputsParams
 from loraplex.errors import (
     AdapterAlreadyLoaded,
     AdapterContentChanged,
@@ -28,6 +29,7 @@ def __getattr__(name: str):  # noqa: ANN202 - lazy: importing loraplex must not 
 
 
 __all__ = [
+    "StructuredOutputsParams",
     "LLM", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutput", "LoraplexError", "AdapterError",
     "AdapterNotFound", "InvalidAdapter", "AdapterRankTooLarge", "UnsupportedAdapter", "AdapterShapeMismatch",
     "AdapterAlreadyLoaded", "UnknownAdapter", "AdapterContentChanged", "AdapterMemoryBudgetExceeded", "ModelError",

@@ -1,8 +1,11 @@
 """Schemathesis hooks for ``test_openapi.py``: positive cases skip bodies that break a cross-field rule JSON
 Schema cannot state (each documented in the field's description and in docs/server.md, each answered with a
 400 naming the field, tested in ``test_server_errors.py``): the prompt plus ``max_tokens`` must fit the
-context, and ``top_logprobs`` needs ``logprobs: true``. Prompts are counted exactly, with the served model's
-tokenizer and the server's own chat rendering (``LORAPLEX_TEST_MODEL``, ``LORAPLEX_TEST_MAX_MODEL_LEN``)."""
+context, ``top_logprobs`` needs ``logprobs: true``, and a structured-output or tool constraint must be one,
+valid (a schema, regex or grammar that compiles; a tool_choice naming a tool) and not combined with
+``ignore_eos`` / ``min_tokens`` (checked with the server's own request models). Prompts are counted
+exactly, with the served model's tokenizer and the server's own chat rendering (``LORAPLEX_TEST_MODEL``,
+``LORAPLEX_TEST_MAX_MODEL_LEN``)."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import schemathesis
 from transformers import AutoTokenizer
 
 from loraplex.errors import RequestError
-from loraplex.server.protocol import ChatMessage, render_chat
+from loraplex.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, render_chat
 
 MAX_MODEL_LEN = int(os.environ.get("LORAPLEX_TEST_MAX_MODEL_LEN", "64"))
 
@@ -43,6 +46,22 @@ def _prompt_tokens(body: dict) -> int | None:
     return max(counts, default=None)
 
 
+CONSTRAINT_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", "tools", "tool_choice", "ignore_eos", "min_tokens"}
+
+
+def _bad_constraint(body: dict) -> bool:
+    """Whether the server refuses ``body`` for a constraint rule JSON Schema cannot state."""
+    model = ChatCompletionRequest if "messages" in body else CompletionRequest
+    try:
+        model.model_validate(body).sampling_params(1)
+    except RequestError as exc:
+        return exc.param in CONSTRAINT_FIELDS
+    except (ValueError, TypeError):  # schema-invalid anyway (pydantic's ValidationError is a ValueError)
+        return False
+    return False
+
+
 @schemathesis.hook
 def filter_body(ctx: schemathesis.HookContext, body: object) -> bool:
     operation = ctx.operation.path if ctx.operation is not None else ""
@@ -56,5 +75,18 @@ def filter_body(ctx: schemathesis.HookContext, body: object) -> bool:
         return True  # a type error: schema-invalid anyway
     if body.get("top_logprobs") and body.get("logprobs") is not True:
         return False
+    if _bad_constraint(body):
+        return False
     tokens = _prompt_tokens(body)
     return tokens is None or tokens + limit <= MAX_MODEL_LEN
+
+
+@schemathesis.hook
+def filter_case(ctx: schemathesis.HookContext, case: Any) -> bool:
+    """The coverage phase applies case filters only: its positive cases skip bad constraints too."""
+    operation = ctx.operation.path if ctx.operation is not None else ""
+    meta = getattr(case, "meta", None)
+    negative = meta is not None and getattr(meta.generation.mode, "value", "") == "negative"
+    if negative or not operation.endswith("completions") or not isinstance(case.body, dict):
+        return True
+    return not _bad_constraint(case.body)

@@ -72,7 +72,7 @@ def test_every_openai_field_is_implemented_or_refused(module: typing.Any, model:
 
 
 def test_unimplemented_fields_refused_unless_neutral(server: Server) -> None:
-    """OpenAI's unimplemented fields and vLLM's (structured outputs until issue 15 among them)."""
+    """OpenAI's unimplemented fields and vLLM's (tool calls among them)."""
     for path, base, table in (("/v1/completions", {"prompt": "Hi"}, COMPLETION_UNIMPLEMENTED),
                               ("/v1/chat/completions", {"messages": MESSAGES}, CHAT_UNIMPLEMENTED)):
         body = {"model": BASE, "max_tokens": 2, **base}

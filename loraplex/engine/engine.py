@@ -1,9 +1,8 @@
 """The engine: one ``step()`` = drain the inbox → schedule → run → sample → ``scheduler.update``.
 
-Thread model: any thread may call ``add_request``, ``abort_request``, ``load_adapter`` and
-``unload_adapter``; they validate in the caller's thread and hand work to the step loop through a
-thread-safe inbox (adapter files are read and checked by the manager outside its lock). ``step()``
-is driven by one loop thread (the server's) or by ``LLM.generate``.
+Thread model: any thread may call ``add_request``, ``abort_request``, ``load_adapter`` and ``unload_adapter``;
+they validate in the caller's thread (adapter files are read outside the manager's lock) and hand work to the
+step loop through a thread-safe inbox. ``step()`` is driven by one loop thread or by ``LLM.generate``.
 """
 
 from __future__ import annotations
@@ -32,6 +31,8 @@ from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.engine.sampling import sample_rows
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.stats import EngineStats, collect_stats
+from loraplex.engine.structured.compiler import GrammarCompilers
+from loraplex.engine.structured.waiting import GrammarWaitlist
 from loraplex.engine.tokenizers import TokenizerTable
 from loraplex.errors import LoraplexError, RequestError
 from loraplex.layers.lora_linear import use_lora_kernels
@@ -93,6 +94,8 @@ class Engine:
                                    self.max_model_len)
         self._inbox: queue.SimpleQueue[list[Request] | str | _Retire] = queue.SimpleQueue()
         self._requests: dict[str, Request] = {}
+        self.grammars = GrammarCompilers(self.model_config.eos_token_ids)  # structured outputs' grammars
+        self._compiling = GrammarWaitlist()  # requests waiting for their grammar, outside the scheduler
         self._generator = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
         self._fingerprint: str | None = None
@@ -107,8 +110,7 @@ class Engine:
 
     # ---- adapters (any thread) ----
     def load_adapter(self, name: str, path: str | Path, new_version: bool = False) -> AdapterInfo:
-        """Register ``path`` as a new version of ``name``; ``new_version`` promotes an existing name to it
-        (in one step: requests already queued or running keep the version they resolved to)."""
+        """A new version of ``name`` from ``path``; ``new_version`` promotes a loaded name (in-flight keep theirs)."""
         info = self.adapters.load(name, str(path), new_version)
         self._retire_dropped()
         return info
@@ -123,13 +125,11 @@ class Engine:
             self._inbox.put(_Retire(adapter_id))
 
     def route_adapter(self, name: str) -> AdapterInfo:
-        """The version ``name``'s next request runs on (its split's pick or current version), counted as
-        served; submit the request with ``adapter_version=info.adapter_id`` to run it there."""
+        """The version ``name``'s next request runs on (split pick or current; counted), for ``adapter_version``."""
         return self.adapters.route(name)
 
     def rollback_adapter(self, name: str) -> AdapterInfo:
-        """Move ``name`` back to the held version loaded before its current one (``AdapterVersionConflict``
-        if none is held); returns it."""
+        """Move ``name`` back to the held version before its current one (else ``AdapterVersionConflict``)."""
         return self.adapters.with_versions(lambda versions: versions.rollback(name))
 
     def split_adapter(self, name: str, weights: dict[int, float]) -> None:
@@ -151,14 +151,11 @@ class Engine:
         return self.adapters.list()
 
     def adapter_snapshot(self) -> dict[str, Any]:
-        """The adapter tiers at one instant, JSON-serialisable (``GET /v1/slots``; the shape is in
-        ``loraplex/adapters/snapshot.py``): each slot's adapter, version, rank, pins and last use, the
-        host tier, the registry, and the load / eviction / hit counters."""
+        """The adapter tiers at one instant, JSON-serialisable (``GET /v1/slots``; ``adapters/snapshot.py``)."""
         return self.adapters.snapshot()
 
     def tokenizer_for(self, adapter: str | None) -> PreTrainedTokenizerBase | None:
-        """The tokenizer (and chat template) of ``adapter``'s live version: its own if it ships one, else
-        the base model's. ``UnknownAdapter`` if no such adapter is loaded."""
+        """The tokenizer of ``adapter``'s live version (its own, else the base's); ``UnknownAdapter`` if none."""
         return self._version(self.adapters.resolve(adapter) if adapter is not None else None)[0]
 
     def vocab_size_for(self, adapter: str | None) -> int:
@@ -180,14 +177,13 @@ class Engine:
         """Token ids of ``prompt`` as ``adapter``'s requests see them (its tokenizer and vocabulary)."""
         return self._tokenize(prompt, *self._version(self.adapters.resolve(adapter) if adapter else None))
 
-    def _tokenize(self, prompt: str | list[int], tokenizer: PreTrainedTokenizerBase | None,
-                  vocab_size: int) -> list[int]:
+    def _tokenize(self, prompt: str | list[int], tokenizer: PreTrainedTokenizerBase | None, vocab: int) -> list[int]:
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise RequestError(f"model {self.model_name} has no tokenizer: pass token ids", "prompt")
             return tokenizer.encode(prompt, add_special_tokens=False)
-        if not prompt or any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt):
-            raise RequestError(f"prompt token ids must be a non-empty list of ints in [0, {vocab_size})", "prompt")
+        if not prompt or any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
+            raise RequestError(f"prompt token ids must be a non-empty list of ints in [0, {vocab})", "prompt")
         return list(prompt)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
@@ -200,9 +196,8 @@ class Engine:
                      adapter_version: int | None = None) -> list[str]:
         """Validate every ``(request_id, prompt, params, adapter)``, then queue them all at once, so they
         are admitted together (the choices of an ``n > 1`` request, the prompts of a prompt list); raises
-        before anything is queued. Each request is one choice (``params.n == 1``): fan a request out with
-        ``params.choices()``. Returns their ids. ``detokenize=False``: outputs carry token ids only (no
-        text, no stop strings), for a caller that detokenizes (``engine/output_processor.py``).
+        before anything is queued. Each request is one choice (fan out with ``params.choices()``). Returns
+        their ids. ``detokenize=False``: token ids only, for a caller that detokenizes (output_processor.py).
         ``tenant``, ``priority``: admission order (``fair_share.py``); ``adapter_version`` pins a held version."""
         requests = [self._make_request(*item, detokenize, adapter_version) for item in items]
         for request in requests:
@@ -223,13 +218,14 @@ class Engine:
         generator = self._generator if params.seed is None else torch.Generator().manual_seed(params.torch_seed)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         detokenizer = IncrementalDetokenizer(tokenizer, params.stop) if detokenize else None
-        return Request(request_id, token_ids, params, adapter, adapter_id, generator, detokenizer)
+        grammar = self.grammars.state_for(params.structured_outputs, tokenizer, vocab_size)  # compiles off the loop
+        return Request(request_id, token_ids, params, adapter, adapter_id, generator, detokenizer, grammar=grammar)
 
     def abort_request(self, request_id: str) -> None:
         self._inbox.put(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work() or not self._inbox.empty()
+        return self.scheduler.has_work() or not self._inbox.empty() or len(self._compiling) > 0
 
     def stats(self) -> EngineStats:
         return collect_stats(self.config, self.scheduler, self.allocator, self.adapters)
@@ -272,14 +268,18 @@ class Engine:
         while not self._inbox.empty():
             item = self._inbox.get()
             if isinstance(item, list):  # requests submitted together
-                for request in item:
-                    self._requests[request.request_id] = request
+                self._requests.update((request.request_id, request) for request in item)
+                for request in self._compiling.hold(item):
                     self.scheduler.add(request)
             elif isinstance(item, _Retire):
                 self.allocator.retire(item.adapter_id)
             elif (request := self._requests.get(item)) is not None:
+                self._compiling.remove(request)
                 outputs.append(self._finish(request, "abort"))
-        return outputs
+        ready, failed = self._compiling.released()
+        for request in (r for group in ready for r in group):
+            self.scheduler.add(request)
+        return outputs + [self._finish(request, "error", error) for request, error in failed]
 
     def _fail_broken_adapters(self) -> list[RequestOutput]:
         """Requests whose adapter version can no longer be served (e.g. its files changed) fail alone."""

@@ -15,6 +15,7 @@ from loraplex.errors import LoraplexError, RequestError
 if TYPE_CHECKING:
     from loraplex.engine.detokenizer import IncrementalDetokenizer
     from loraplex.engine.logits_processors import ProcessorState
+    from loraplex.engine.structured.masks import GrammarState
 
 __all__ = ["Request", "RequestOutput", "RequestStatus", "SamplingParams", "TokenLogprob", "check_context_length"]
 
@@ -75,6 +76,7 @@ class Request:
     logprobs: list[TokenLogprob] | None = None  # per generated token, when params.logprobs is set
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token so far, when asked
     processor_state: ProcessorState | None = None  # the logits processors' tensors, built on first use
+    grammar: GrammarState | None = None  # its structured-output constraint (params.structured_outputs)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None and self.logprobs is None:

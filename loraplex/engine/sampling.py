@@ -16,6 +16,7 @@ import torch
 
 from loraplex.engine.logits_processors import ProcessedRow, apply_logits_processors
 from loraplex.engine.logprobs import token_logprobs
+from loraplex.engine.structured.masks import accept_tokens, apply_grammar_masks
 
 if TYPE_CHECKING:
     from loraplex.engine.request import Request
@@ -32,9 +33,11 @@ def sample_rows(logits: torch.Tensor, rows: list[int], requests: list[Request],
     if not rows:
         return []
     logits = logits if rows == list(range(logits.shape[0])) else logits[rows]  # [S, vocab]
+    apply_grammar_masks(logits, requests)  # constrained rows only; logprobs report what is left
     asking = [j for j, r in enumerate(requests) if r.params.logprobs is not None]
     raw = logits[asking] if asking else None  # a copy
     tokens = sample(logits, requests, eos_token_ids)
+    accept_tokens(requests, tokens)
     if raw is not None:
         found = token_logprobs(raw, [tokens[j] for j in asking], [requests[j].params.logprobs for j in asking])
         for j, entry in zip(asking, found, strict=True):

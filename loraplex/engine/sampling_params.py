@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from loraplex.engine.structured.params import StructuredOutputsParams
 from loraplex.errors import RequestError
 
 MAX_LOGPROBS = 20  # top-k alternatives per position (OpenAI's limit)
@@ -50,6 +51,11 @@ class SamplingParams:
       by it when positive, multiplied when negative (1 = off).
     - ``logit_bias``: token id -> value added to its logit. ``min_tokens``: EOS and ``stop_token_ids``
       are masked until that many tokens were generated (beyond ``max_tokens`` it changes nothing more).
+    - ``structured_outputs``: the output must match a JSON schema, a regex, one of a list of choices or a
+      grammar (``StructuredOutputsParams``, vLLM's). The tokens the grammar does not allow next are masked
+      before everything above; for such a request ``logprobs`` are those of the constrained distribution
+      (the raw logits with the disallowed tokens at -inf). It cannot be combined with ``ignore_eos`` or
+      ``min_tokens`` (the grammar decides where the output ends).
     """
 
     max_tokens: int = 16
@@ -69,6 +75,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Accept a single string or any sequence for the tuple fields, and any mapping for logit_bias.
@@ -140,6 +147,18 @@ class SamplingParams:
         if not _integer(self.min_tokens) or self.min_tokens < 0:
             raise RequestError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}", "min_tokens")
         self._validate_token_ids(vocab_size)
+        self._validate_structured()
+
+    def _validate_structured(self) -> None:
+        if self.structured_outputs is None:
+            return
+        if not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise RequestError("structured_outputs must be a StructuredOutputsParams", "structured_outputs")
+        for name in ("ignore_eos", "min_tokens"):
+            if getattr(self, name):
+                raise RequestError(f"{name} cannot be combined with structured outputs: the grammar decides where "
+                                   "the output ends", name)
+        self.structured_outputs.validate()
 
     def _validate_token_ids(self, vocab_size: int | None) -> None:
         limit = f"[0, {vocab_size})" if vocab_size is not None else "[0, vocab size)"

@@ -213,7 +213,8 @@ def create_app(
         params = body.sampling_params(max(client.max_model_len - len(prompt_ids), 1))  # default: the rest
         gen = Generation(
             builder=ResponseBuilder(chat=True, model=body.model, tokens=texts_for(body.model), n=params.n,
-                                    show_prompt_logprobs=body.prompt_logprobs is not None),
+                                    show_prompt_logprobs=body.prompt_logprobs is not None,
+                                    tool_parser=body.tool_parser()),
             prompts=[prompt_ids],
             params=params,
             adapter=adapter_for(body.model),

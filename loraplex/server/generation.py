@@ -187,12 +187,14 @@ async def _events(streams: list[RequestStream], gen: Generation, metrics: Server
                     first and builder.echo):
                 if builder.chat:
                     choice = builder.chat_delta(index, out, sent_tokens[index], end, out.delta_text)
+                    if choice is None:  # a tool-call choice: sent whole when it finishes
+                        continue
                 else:
                     scored = latest.get(index - index % builder.n, out).prompt_logprobs
                     choice = builder.completion_choice(index, out, scored, sent_tokens[index], end, first,
                                                        out.delta_text, sent_text[index])
                     sent_text[index] += len(choice["text"])
-                choice["finish_reason"] = out.finish_reason if out.finished else None
+                choice["finish_reason"] = (choice["finish_reason"] or out.finish_reason) if out.finished else None
                 sent_tokens[index] = end
                 yield _sse(builder.chunk(choice))
             if out.finished:

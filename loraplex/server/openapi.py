@@ -25,6 +25,7 @@ from loraplex.server.strict_fields import (
     MESSAGE_UNIMPLEMENTED,
     VLLM_DEFAULTS,
 )
+from loraplex.server.structured import NESTED_PARTS
 
 STATUS_TEXT = {
     400: "Invalid request: OpenAI's error body, `param` names the field",
@@ -152,7 +153,7 @@ def _complete(schema: dict[str, Any], vocab: int, max_len: int, auth: bool, mode
     _add_fields(schemas["CompletionRequest"], {**COMPLETION_UNIMPLEMENTED, **VLLM_DEFAULTS})
     _add_fields(schemas["ChatCompletionRequest"], {**CHAT_UNIMPLEMENTED, **VLLM_DEFAULTS})
     _add_fields(schemas["ChatMessage"], MESSAGE_UNIMPLEMENTED)
-    for model in ("StreamOptions", "LoadAdapterRequest", "UnloadAdapterRequest"):
+    for model in ("StreamOptions", "LoadAdapterRequest", "UnloadAdapterRequest", *NESTED_PARTS):
         _add_fields(schemas[model], {})
     for model in ("CompletionRequest", "ChatCompletionRequest"):
         props = schemas[model]["properties"]

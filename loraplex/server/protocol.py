@@ -22,6 +22,7 @@ from loraplex.engine.sampling_params import (
     TEMPERATURE_MAX,
     SamplingParams,
 )
+from loraplex.engine.structured.params import StructuredOutputsParams
 from loraplex.errors import RequestError
 from loraplex.server.strict_fields import (
     CHAT_UNIMPLEMENTED,
@@ -30,6 +31,8 @@ from loraplex.server.strict_fields import (
     VLLM_DEFAULTS,
     check_extra_fields,
 )
+from loraplex.server.structured import StructuredFields
+from loraplex.server.tools import MessageToolCall, ToolFields
 
 
 def _integral(value: Any) -> Any:
@@ -65,7 +68,7 @@ class StreamOptions(_Body):
     include_usage: bool | None = False
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(StructuredFields, _Body):
     """Fields shared by completions and chat completions (vLLM's extensions included)."""
 
     model: str
@@ -111,9 +114,14 @@ class _SamplingFields(_Body):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=_token_keys(self.logit_bias or {}),
             min_tokens=self.min_tokens or 0,
+            structured_outputs=self.constraint(),
         )
         params.validate()
         return params
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """What the output must match (``structured.py``; chat adds its tool choice)."""
+        return self.structured_constraint()
 
     @property
     def include_usage(self) -> bool:
@@ -169,16 +177,19 @@ class ChatMessage(_Body):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
 
-    def template_message(self) -> dict[str, str]:
-        """The message as the chat template sees it (text parts joined)."""
+    def template_message(self) -> dict[str, Any]:
+        """The message as the chat template sees it (text parts joined, tool calls' arguments as mappings)."""
         content = self.content
         text = "".join(part.text for part in content) if isinstance(content, list) else content or ""
-        extra = {k: v for k in ("name", "tool_call_id") if (v := getattr(self, k)) is not None}
+        extra: dict[str, Any] = {k: v for k in ("name", "tool_call_id") if (v := getattr(self, k)) is not None}
+        if self.tool_calls:
+            extra["tool_calls"] = [call.template_call() for call in self.tool_calls]
         return {"role": self.role, "content": text, **extra}
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(ToolFields, _SamplingFields):
     """``POST /v1/chat/completions``."""
 
     unimplemented: ClassVar = {**CHAT_UNIMPLEMENTED, **VLLM_DEFAULTS}
@@ -203,29 +214,39 @@ class ChatCompletionRequest(_SamplingFields):
             exc.param = renamed.get(exc.param) or exc.param
             raise
 
+    def constraint(self) -> StructuredOutputsParams | None:
+        structured, tools = self.structured_constraint(), self.tool_constraint()
+        if structured is not None and tools is not None:
+            raise RequestError(f"tool_choice {self.tool_choice!r} constrains the output already; drop the "
+                               "structured-output field", "tool_choice")
+        return structured or tools
+
     def prompt_text(self, tokenizer: Any) -> str:
         """The messages rendered with the tokenizer's chat template (see ``chat_text``)."""
-        return chat_text(tokenizer, [m.template_message() for m in self.messages])
+        return chat_text(tokenizer, [m.template_message() for m in self.messages], self.template_tools())
 
     def prompt_ids(self, tokenizer: Any) -> list[int]:
-        return render_chat(tokenizer, [m.template_message() for m in self.messages])
+        return render_chat(tokenizer, [m.template_message() for m in self.messages], self.template_tools())
 
 
-def chat_text(tokenizer: Any, conversation: list[dict[str, str]]) -> str:
+def chat_text(tokenizer: Any, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+              ) -> str:
     """Render messages with the tokenizer's chat template (``add_generation_prompt=True``). A model without
     a template, or messages its template refuses (e.g. roles that do not alternate), are a 400 on
     ``messages``."""
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model has no chat template; use /v1/completions", "messages")
     try:
-        return tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True,
+                                             tokenize=False)
     except Exception as exc:  # jinja2 TemplateError and the template's own raise_exception()
         raise RequestError(f"the chat template refused these messages: {exc}", "messages") from exc
 
 
-def render_chat(tokenizer: Any, conversation: list[dict[str, str]]) -> list[int]:
+def render_chat(tokenizer: Any, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                ) -> list[int]:
     """``chat_text`` tokenized as is: the template writes every special token itself."""
-    return list(tokenizer(chat_text(tokenizer, conversation), add_special_tokens=False)["input_ids"])
+    return list(tokenizer(chat_text(tokenizer, conversation, tools), add_special_tokens=False)["input_ids"])
 
 
 class LoadAdapterRequest(_Body):

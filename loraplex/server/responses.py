@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte <-> character table
 
 from loraplex.engine.request import RequestOutput, TokenLogprob
+from loraplex.server.tool_parsers import Parsed
 
 
 class TokenTexts:
@@ -47,11 +48,14 @@ def new_id(prefix: str) -> str:
 
 class ResponseBuilder:
     """Builds the bodies of one request's choices. ``prompt_texts[i]`` is prompt i's text (echoed when
-    ``echo``); ``n`` choices per prompt."""
+    ``echo``); ``n`` choices per prompt. ``tool_parser`` (chat with tools) turns a finished choice's text
+    into tool calls; such a choice is streamed as one delta when it finishes (its text is known only then)."""
 
     def __init__(self, chat: bool, model: str, tokens: TokenTexts, n: int = 1, echo: bool = False,
-                 prompt_texts: Sequence[str] = (), show_prompt_logprobs: bool = False) -> None:
+                 prompt_texts: Sequence[str] = (), show_prompt_logprobs: bool = False,
+                 tool_parser: Callable[[str], Parsed] | None = None) -> None:
         self.chat, self.model, self.tokens, self.n, self.echo = chat, model, tokens, n, echo
+        self.tool_parser = tool_parser
         self.prompt_texts = list(prompt_texts)
         self.show_prompt_logprobs = show_prompt_logprobs
         self.id = new_id("chatcmpl" if chat else "cmpl")
@@ -72,9 +76,10 @@ class ResponseBuilder:
         for index, out in enumerate(outs):
             prompt = outs[index - index % self.n]  # choice 0 of this prompt holds its prompt logprobs
             if self.chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": out.text},
+                message, finish_reason = self._message(out)
+                choices.append({"index": index, "message": {"role": "assistant", **message},
                                 "logprobs": self._chat_logprobs(out.token_ids, out.logprobs),
-                                "finish_reason": out.finish_reason})
+                                "finish_reason": finish_reason})
                 continue
             choice = self.completion_choice(index, out, prompt.prompt_logprobs, 0, len(out.token_ids), True)
             choice["finish_reason"] = out.finish_reason
@@ -104,10 +109,30 @@ class ResponseBuilder:
             choice["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_logprobs)
         return choice
 
-    def chat_delta(self, index: int, out: RequestOutput, start: int, end: int, text: str) -> dict:
-        return {"index": index, "delta": {"content": text} if text else {},
+    def _message(self, out: RequestOutput, streamed: bool = False) -> tuple[dict[str, Any], str | None]:
+        """A finished chat choice's message fields and finish reason: its text, or its tool calls (each with
+        its ``index`` when ``streamed``) and ``"tool_calls"``."""
+        if self.tool_parser is None or out.finish_reason != "stop":
+            return {"content": out.text}, out.finish_reason
+        content, calls = self.tool_parser(out.text)
+        if not calls:
+            return {"content": out.text}, out.finish_reason
+        return {"content": content, "tool_calls": [c.body(i if streamed else None) for i, c in enumerate(calls)]
+                }, "tool_calls"
+
+    def chat_delta(self, index: int, out: RequestOutput, start: int, end: int, text: str) -> dict | None:
+        """The chunk choice for tokens ``[start, end)`` and their ``text``; None while a tool-call choice is
+        held back (it goes out whole, parsed, when it finishes)."""
+        delta: dict[str, Any] = {"content": text} if text else {}
+        finish_reason = None
+        if self.tool_parser is not None:
+            if not out.finished:
+                return None
+            message, finish_reason = self._message(out, streamed=True)
+            delta = {k: v for k, v in message.items() if v}
+        return {"index": index, "delta": delta,
                 "logprobs": self._chat_logprobs(out.token_ids[start:end], out.logprobs and out.logprobs[start:end]),
-                "finish_reason": None}
+                "finish_reason": finish_reason}
 
     def role_chunk(self, index: int) -> dict:
         return self._envelope("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},

@@ -19,19 +19,14 @@ from loraplex.errors import RequestError
 GENERIC_NEUTRAL: tuple[Any, ...] = (None, False, 0, "", [], {})
 
 # OpenAI fields loraplex does not implement yet: field -> (the values accepted, why it is refused).
-TOOLS_LATER = "structured outputs and tool calls are not implemented yet (issue 15)"
+FUNCTIONS_GONE = "OpenAI's deprecated functions API is not implemented: use tools and tool_choice"
 COMPLETION_UNIMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((None, 1), "best_of (server-side ranking of extra choices) is not implemented; use n"),
     "suffix": ((None, ""), "suffix (insertion) is not implemented"),
-    "response_format": ((None, {"type": "text"}), TOOLS_LATER),  # vLLM's extension on completions
 }
 CHAT_UNIMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "response_format": ((None, {"type": "text"}), TOOLS_LATER),
-    "tools": ((None, []), TOOLS_LATER),
-    "tool_choice": ((None, "none"), TOOLS_LATER),
-    "parallel_tool_calls": ((None, True, False), TOOLS_LATER),
-    "functions": ((None, []), TOOLS_LATER),
-    "function_call": ((None, "none"), TOOLS_LATER),
+    "functions": ((None, []), FUNCTIONS_GONE),
+    "function_call": ((None, "none"), FUNCTIONS_GONE),
     "audio": ((None,), "audio output is not supported"),
     "modalities": ((None, ["text"]), "only text output is supported"),
     "prediction": ((None,), "predicted outputs are not implemented"),
@@ -56,14 +51,13 @@ VLLM_DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
     "add_generation_prompt": ((None, True), "the chat template always gets add_generation_prompt=True"),
     "continue_final_message": ((None, False), "not implemented"),
     "echo": ((None, False), "chat echo is not implemented"),  # on chat only: completions implement it
-    **{name: ((None,), TOOLS_LATER) for name in (
-        "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")},
+    "guided_decoding_backend": ((None, "xgrammar", "auto"), "one backend (xgrammar); vLLM removed this field"),
+    "guided_whitespace_pattern": ((None,), "not implemented (structured_outputs.disable_any_whitespace is)"),
 }
 # Message fields beside role/content: passed to the chat template, or neutral only.
 MESSAGE_PASSED = ("name", "tool_call_id")
 MESSAGE_UNIMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tool_calls": ((None, []), TOOLS_LATER),
-    "function_call": ((None,), TOOLS_LATER),
+    "function_call": ((None,), FUNCTIONS_GONE),
     "audio": ((None,), "audio is not supported"),
     "refusal": ((None,), "refusals are not supported in input messages"),
 }

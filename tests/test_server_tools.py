@@ -1,0 +1,139 @@
+"""Tool calls over HTTP with the official client: ``tool_choice`` "required" and a named function constrain
+the output to the tool-call JSON (arguments validate against each tool's parameters); "auto" parses the
+model's own Hermes-style ``<tool_call>`` blocks; ids, ``finish_reason: "tool_calls"``, streamed deltas;
+assistant ``tool_calls`` and ``tool`` messages round-trip through a chat template; errors name the field."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+from transformers import AutoTokenizer
+
+from loraplex.server.protocol import ChatCompletionRequest
+from loraplex.server.tool_parsers import parse_hermes
+from tests.server_harness import BASE, Server, tiny_server
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}}, "required": ["zone"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMA_OF = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with tiny_server(tiny_llama, tiny_llama_adapters, ("r8_all",), (), tmp_path_factory.mktemp("root"),
+                     max_loras=2, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=16) as srv:
+        yield srv
+
+
+def check_calls(calls: list, names: set[str]) -> None:
+    assert calls and len({c.id for c in calls}) == len(calls)
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function" and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
+
+
+@pytest.mark.parametrize("model", [BASE, "r8_all"])
+def test_required_and_named_tool_choice(server: Server, model: str) -> None:
+    client = server.client()
+    required = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                              max_tokens=200, temperature=0)
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    check_calls(choice.message.tool_calls, set(SCHEMA_OF))
+    named = client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0.8, seed=3, n=2,
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False)
+    for choice in named.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        check_calls(choice.message.tool_calls, {"get_time"})
+
+
+def test_streamed_tool_calls_equal_the_whole_response(server: Server) -> None:
+    client = server.client()
+    kw = dict(model="r8_all", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=200, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+        (i, c.function.name, c.function.arguments) for i, c in enumerate(whole)]
+    assert all(d.id.startswith("call_") for d in deltas)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_auto_parses_hermes_tool_calls(server: Server) -> None:
+    """The model is made to write a Hermes block (a regex constraint); auto mode must find the call."""
+    block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
+    regex = "".join("\\" + ch if ch in "{}[]().*+?|\\^$" else ch for ch in "Let me check. " + block)
+    r = server.client().chat.completions.create(model=BASE, messages=MESSAGES, tools=TOOLS, max_tokens=120,
+                                                temperature=0, extra_body={"structured_outputs": {"regex": regex}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris",
+                                                                                          "unit": "C"}
+    free = server.client().chat.completions.create(model=BASE, messages=MESSAGES, tools=TOOLS, max_tokens=8,
+                                                   temperature=0)
+    assert free.choices[0].message.tool_calls is None and free.choices[0].finish_reason == "length"
+
+
+def test_hermes_parser() -> None:
+    two = ('Sure. <tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n'
+           '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>')
+    content, calls = parse_hermes(two)
+    assert content == "Sure." and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {})]
+    assert parse_hermes("no calls here") == ("no calls here", [])
+    assert parse_hermes("<tool_call>{not json}</tool_call>") == ("<tool_call>{not json}</tool_call>", [])
+
+
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools><|im_end|>\n"
+    "{% endif %}{%- for m in messages %}{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    "{% for c in m.tool_calls %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% elif m.role == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n{% else %}<|im_start|>"
+    "{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{%- endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tool_messages_round_trip_through_the_chat_template(server: Server, tiny_llama: Path) -> None:
+    first = server.client().chat.completions.create(model=BASE, messages=MESSAGES, tools=TOOLS, max_tokens=200,
+                                                    tool_choice="required", temperature=0).choices[0].message
+    call = first.tool_calls[0]
+    conversation = [*MESSAGES, first.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]
+    again = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": BASE, "messages": conversation, "tools": TOOLS, "max_tokens": 4})
+    assert again.status_code == 200, again.text
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    body = ChatCompletionRequest.model_validate({"model": BASE, "messages": conversation, "tools": TOOLS})
+    text = tokenizer.decode(body.prompt_ids(tokenizer))
+    rendered = json.loads(text.split("<tool_call>\n")[1].split("\n</tool_call>")[0])
+    assert rendered == {"name": call.function.name, "arguments": json.loads(call.function.arguments)}  # an object
+    assert '<tool_response>\n{"temp": 21}\n</tool_response>' in text and '"name": "get_time"' in text
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+])
+def test_bad_tool_fields_are_400(server: Server, fields: dict, param: str) -> None:
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                   json={"model": BASE, "messages": MESSAGES, "max_tokens": 4, **fields})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
