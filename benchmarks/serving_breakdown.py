@@ -31,7 +31,7 @@ class OfflineTimer:
         self._current: dict[str, float] = {}
         self._width = 0
         engine.runner.execute = self._timed(engine.runner.execute, "forward")
-        engine_module.sample = self._timed(engine_module.sample, "sample")
+        engine_module.sample_rows = self._timed(engine_module.sample_rows, "sample")
         step, schedule = engine.step, engine.scheduler.schedule
 
         def timed_schedule() -> Any:
