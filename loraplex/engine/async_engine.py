@@ -23,18 +23,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
-from loraplex.engine.client import EngineClient, EngineHealth, EngineInfo, RequestStream, StepObserver, deliver
+from loraplex.engine.client import EngineClient, EngineHealth, EngineInfo, RequestStream, deliver, route_outputs
 from loraplex.engine.request import RequestOutput, SamplingParams
+from loraplex.engine.step_loop import run_step_loop
 from loraplex.engine.tokenizers import TokenizerTable
 from loraplex.errors import RequestError
 
 logger = logging.getLogger(__name__)
 
-_IDLE_POLL_S = 0.005  # back-off when the engine has queued work but could not schedule any
 
 
 class AsyncEngine(EngineClient):
@@ -45,7 +44,7 @@ class AsyncEngine(EngineClient):
         self.config = engine.config
         self.info = EngineInfo.of(engine)
         self.tokenizer = engine.tokenizer
-        self.step_observers: list[StepObserver] = []
+        self.step_observers = []  # typed by EngineClient
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams
         self._wakeup = threading.Event()
@@ -140,34 +139,13 @@ class AsyncEngine(EngineClient):
 
     def _run(self) -> None:
         logger.info("step loop started")
-        while not self._stopping:
-            if not self.engine.has_unfinished_requests():
-                self._wakeup.wait()
-                self._wakeup.clear()
-                continue
-            start = time.perf_counter()
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # a bug in the engine: fail what is in flight, keep serving
-                logger.exception("engine step failed; failing every request in flight")
-                self._fail_all(exc)
-                continue
-            elapsed = time.perf_counter() - start
-            for observe in self.step_observers:
-                observe(elapsed, outputs)
-            self._deliver(outputs)
-            if not outputs:
-                self._wakeup.wait(_IDLE_POLL_S)
-                self._wakeup.clear()
+        run_step_loop(self.engine, self._wakeup, lambda: self._stopping, self._on_step, self._fail_all)
         logger.info("step loop stopped")
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        with self._lock:
-            targets = [(self._streams.get(out.request_id), out) for out in outputs]
-            for out in outputs:
-                if out.finished:
-                    self._streams.pop(out.request_id, None)
-        deliver([(stream, out) for stream, out in targets if stream is not None])
+    def _on_step(self, seconds: float, outputs: list[RequestOutput]) -> None:
+        for observe in self.step_observers:
+            observe(seconds, outputs)
+        route_outputs(self._streams, self._lock, outputs)
 
     def _fail_all(self, exc: Exception) -> None:
         with self._lock:

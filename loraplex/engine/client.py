@@ -20,6 +20,7 @@ import abc
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -125,6 +126,17 @@ def deliver(items: Iterable[tuple[RequestStream, RequestOutput | BaseException]]
             loop.call_soon_threadsafe(_put_all, batch)
         except RuntimeError:  # the consumers' event loop is closed
             logger.debug("dropping %d outputs: their event loop is closed", len(batch))
+
+
+def route_outputs(streams: dict[str, RequestStream], lock: threading.Lock, outputs: list[RequestOutput]) -> None:
+    """Deliver each output to its request's stream in ``streams`` (guarded by ``lock``), forgetting the
+    streams of finished requests; outputs of requests with no stream (aborted) are dropped."""
+    with lock:
+        targets = [(streams.get(out.request_id), out) for out in outputs]
+        for out in outputs:
+            if out.finished:
+                streams.pop(out.request_id, None)
+    deliver([(stream, out) for stream, out in targets if stream is not None])
 
 
 def _put_all(batch: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:

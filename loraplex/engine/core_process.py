@@ -24,7 +24,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
@@ -32,10 +31,10 @@ from typing import Any
 from loraplex.engine import messages as m
 from loraplex.engine.client import EngineInfo
 from loraplex.engine.engine import Engine
+from loraplex.engine.step_loop import run_step_loop
 
 logger = logging.getLogger("loraplex.engine.core_process")  # also when run as __main__
 
-_IDLE_POLL_S = 0.005  # back-off when the engine has queued work but could not schedule any
 _ORPHAN_EXIT_S = 10.0  # after the API process vanished, exit even if a step or a load still runs
 
 
@@ -121,23 +120,11 @@ class EngineCore:
     # ---- the step loop (main thread) ----
     def _step_loop(self) -> None:
         logger.info("step loop started (pid %d)", os.getpid())
-        while not self._stopping:
-            if not self.engine.has_unfinished_requests():
-                self._wakeup.wait()
-                self._wakeup.clear()
-                continue
-            start = time.perf_counter()
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # a bug in the engine: fail what is in flight, keep serving
-                logger.exception("engine step failed; failing every request in flight")
-                self._fail_all(exc)
-                continue
-            self.send(m.StepOutputs(time.perf_counter() - start, [self._compact(out) for out in outputs]))
-            if not outputs:
-                self._wakeup.wait(_IDLE_POLL_S)
-                self._wakeup.clear()
+        run_step_loop(self.engine, self._wakeup, lambda: self._stopping, self._send_outputs, self._fail_all)
         logger.info("step loop stopped")
+
+    def _send_outputs(self, seconds: float, outputs: list[Any]) -> None:
+        self.send(m.StepOutputs(seconds, [self._compact(out) for out in outputs]))
 
     def _compact(self, out: Any) -> Any:
         sent = self._sent.get(out.request_id)  # None: its first output

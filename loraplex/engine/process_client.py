@@ -35,7 +35,7 @@ from typing import Any
 
 from loraplex.config import EngineConfig
 from loraplex.engine import messages as m
-from loraplex.engine.client import EngineClient, EngineHealth, EngineInfo, RequestStream, StepObserver, deliver
+from loraplex.engine.client import EngineClient, EngineHealth, EngineInfo, RequestStream, deliver, route_outputs
 from loraplex.engine.core_launch import exit_status, launch, terminate
 from loraplex.engine.output_processor import OutputProcessor
 from loraplex.engine.request import SamplingParams
@@ -53,7 +53,7 @@ class EngineProcess(EngineClient):
                  cpus: Sequence[int] | None = None, log_level: str | None = None,
                  start_timeout: float = 900.0) -> None:
         self.config = config
-        self.step_observers: list[StepObserver] = []
+        self.step_observers = []  # typed by EngineClient
         self._adapters = tuple((str(name), str(path)) for name, path in adapters)
         self._cpus = tuple(cpus) if cpus else None
         self._log_level = log_level or logging.getLevelName(logging.getLogger("loraplex").getEffectiveLevel())
@@ -271,12 +271,7 @@ class EngineProcess(EngineClient):
         outputs, stopped = self._outputs.process(message.outputs)
         for request_id in stopped:
             self._outbox.put(m.Abort(request_id))
-        with self._lock:
-            targets = [(self._streams.get(out.request_id), out) for out in outputs]
-            for out in outputs:
-                if out.finished:
-                    self._streams.pop(out.request_id, None)
-        deliver([(stream, out) for stream, out in targets if stream is not None])
+        route_outputs(self._streams, self._lock, outputs)
         for observe in self.step_observers:
             observe(message.seconds, outputs)
 
