@@ -41,16 +41,25 @@ class EngineStats:
     prefix_cache_blocks: int = 0
     prefix_cache_evictions: int = 0
     prefix_cache_by_adapter: Mapping[str | None, PrefixCounts] = field(default_factory=dict)
+    # (running, waiting) requests per loaded adapter name with any in flight (None = the base model).
+    requests_by_adapter: Mapping[str | None, tuple[int, int]] = field(default_factory=dict)
 
 
 def collect_stats(config: EngineConfig, scheduler: Scheduler, blocks: BlockManager,
                   adapters: AdapterManager) -> EngineStats:
     """One ``EngineStats`` from the engine's parts. Per-adapter prefix-cache counters are reported under the
-    name of each live version (a retired version's counters are gone; a reloaded name starts from zero)."""
+    name of each live version (a retired version's counters are gone; a reloaded name starts from zero);
+    requests in flight per loaded adapter name (a request of an unloaded name is counted in the totals only)."""
     c = adapters.counters()
     names: dict[int | None, str | None] = {None: None}
     names.update((info.adapter_id, info.name) for info in adapters.list())
     by_version = blocks.counts_by_version()
+    live = set(names.values())
+    in_flight: dict[str | None, list[int]] = {}
+    for column, queue in enumerate((scheduler.running, scheduler.waiting)):
+        for request in list(queue):
+            if request.adapter in live:
+                in_flight.setdefault(request.adapter, [0, 0])[column] += 1
     return EngineStats(
         num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),
         slots_in_use=c["slots_in_use"], slots_pinned=c["slots_pinned"], max_loras=config.max_loras,
@@ -60,4 +69,5 @@ def collect_stats(config: EngineConfig, scheduler: Scheduler, blocks: BlockManag
         saved_rows_bytes=adapters.budget.used, saved_rows_budget_bytes=config.saved_rows_budget_bytes,
         prefix_cache_queried_tokens=blocks.totals.queried_tokens, prefix_cache_hit_tokens=blocks.totals.hit_tokens,
         prefix_cache_blocks=blocks.num_cached, prefix_cache_evictions=blocks.evictions,
-        prefix_cache_by_adapter={names[v]: counts for v, counts in by_version.items() if v in names})
+        prefix_cache_by_adapter={names[v]: counts for v, counts in by_version.items() if v in names},
+        requests_by_adapter={name: (running, waiting) for name, (running, waiting) in in_flight.items()})

@@ -37,6 +37,7 @@ from loraplex.server.access import AdapterPathPolicy, BearerAuthMiddleware
 from loraplex.server.errors import ServerError, install_error_handlers
 from loraplex.server.generation import Generation, run_generation
 from loraplex.server.limits import BodyLimitMiddleware, default_max_request_bytes
+from loraplex.server.metric_labels import loaded_check
 from loraplex.server.metrics import CONTENT_TYPE, ServerMetrics
 from loraplex.server.openapi import GENERATION_ERRORS, documented, install_openapi, reset_openapi
 from loraplex.server.playground import mount_playground
@@ -92,7 +93,7 @@ def create_app(
     base_name = served_model_name or client.model_name
     base_aliases = {base_name, client.model_name, str(client.config.model)}
     policy = AdapterPathPolicy(allow_runtime_adapters, adapter_roots)
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(loaded_check(client))  # adapter labels: loaded names only
     client.step_observers.append(metrics.observe_step)
     preparer = RequestPreparer(
         PrepareConfig(str(client.model_path) if client.tokenizer is not None else None, client.max_model_len,

@@ -9,7 +9,8 @@ an RPC to the engine process in ``loraplex serve``), so it is never stale.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -17,10 +18,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from loraplex.engine.request import RequestOutput
+from loraplex.server.metric_labels import BASE_LABEL, AdapterLabels
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-BASE_LABEL = "base"  # the ``adapter`` label value of requests to the base model
 
 # engine.stats() field -> (metric name, help); gauges then monotonically growing counters.
 _STAT_GAUGES = {
@@ -76,11 +77,37 @@ class EngineStatsCollector(Collector):
             for adapter, counts in sorted(stats.prefix_cache_by_adapter.items(), key=lambda kv: kv[0] or ""):
                 family.add_metric([adapter or BASE_LABEL], getattr(counts, field))
             yield family
+        yield from _requests_by_adapter(stats)
+
+
+def _requests_by_adapter(stats: Any) -> Iterator[Metric]:
+    """Running and waiting requests per loaded adapter, and vLLM's ``vllm:lora_requests_info``: one series whose
+    labels name the adapters with running and with waiting requests (comma-separated) and ``max_lora``, valued
+    at the scrape's Unix time (the Gateway API inference extension's LoRA-affinity routing reads the newest)."""
+    running = GaugeMetricFamily("loraplex_adapter_requests_running", "Requests running, by adapter.",
+                                labels=["adapter"])
+    waiting = GaugeMetricFamily("loraplex_adapter_requests_waiting", "Requests waiting, by adapter.",
+                                labels=["adapter"])
+    by_adapter = sorted(stats.requests_by_adapter.items(), key=lambda kv: kv[0] or "")
+    for adapter, (num_running, num_waiting) in by_adapter:
+        running.add_metric([adapter or BASE_LABEL], num_running)
+        waiting.add_metric([adapter or BASE_LABEL], num_waiting)
+    yield running
+    yield waiting
+    info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    info.add_metric([str(stats.max_loras), ",".join(a for a, (n, _) in by_adapter if a is not None and n),
+                     ",".join(a for a, (_, n) in by_adapter if a is not None and n)], time.time())
+    yield info
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    """``is_loaded(name)`` says whether an adapter name is loaded now: request series are labelled with
+    loaded names only (``metric_labels.AdapterLabels``)."""
+
+    def __init__(self, is_loaded: Callable[[str], bool] = lambda name: False) -> None:
         self.registry = CollectorRegistry()
+        self.adapter_labels = AdapterLabels(is_loaded)
         self._engine_stats = EngineStatsCollector()
         self._render_lock = threading.Lock()
         r = self.registry
@@ -107,12 +134,13 @@ class ServerMetrics:
     def observe_request(self, adapter: str | None, status: str, out: RequestOutput | None,
                         ttft: float | None, decode_seconds: float | None) -> None:
         """Record one request that ended (``out`` is None when it was rejected before running)."""
-        label = adapter or BASE_LABEL
-        self.requests.labels(label, status).inc()
+        labels = self.adapter_labels
+        label = labels.label(adapter)
+        labels.child(self.requests, label, status).inc()
         if out is None:
             return
-        self.prompt_tokens.labels(label).inc(len(out.prompt_token_ids))
-        self.generation_tokens.labels(label).inc(len(out.token_ids))
+        labels.child(self.prompt_tokens, label).inc(len(out.prompt_token_ids))
+        labels.child(self.generation_tokens, label).inc(len(out.token_ids))
         if ttft is not None:
             self.ttft.observe(ttft)
         if decode_seconds is not None and len(out.token_ids) > 1:
@@ -120,6 +148,7 @@ class ServerMetrics:
 
     def render(self, stats: Any) -> bytes:
         """The Prometheus text, engine state from ``stats`` (the engine's ``EngineStats`` now)."""
+        self.adapter_labels.prune()
         with self._render_lock:
             self._engine_stats.stats = stats
             return generate_latest(self.registry)
