@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import os
+
+# OpenMP workers that spin while they wait steal the cores of every other process of the suite (a test
+# and the server subprocesses it starts, or other jobs on a shared machine): under that contention a
+# 2-thread HF forward ran 10x slower. Read by libgomp when torch loads it, so set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from collections.abc import Callable
 from pathlib import Path
 
