@@ -60,11 +60,12 @@ def test_snapshot_follows_loads_pins_evictions_and_unloads(tiny_llama: Path,
     assert snap["slots"][0]["adapter"] == "r4_attn" and snap["slots"][0]["pins"] == 2
     assert snap["slots"][0]["unloaded"] is True
     assert [x["adapter"] for x in snap["adapters"]] == ["r8_all", "r2_qv"]
-    assert [h["adapter"] for h in snap["host"]] == ["r2_qv"]
+    assert [h["adapter"] for h in snap["host"]] == ["r4_attn", "r2_qv"]  # kept while in use
     manager.release(2)
-    manager.release(2)  # the last pin of an unloaded version clears its slot
+    manager.release(2)  # the last pin of an unloaded version drops it: slot and host memory
     snap = manager.snapshot()
     assert snap["slots"][0] == {"slot": 0, **EMPTY} and snap["slot_version"] == 3
+    assert [h["adapter"] for h in snap["host"]] == ["r2_qv"]
 
     manager.wait_for_read(1)  # nothing is reading yet: a is on disk only until something needs it
     assert not manager.can_acquire(1)  # starts the background re-read

@@ -27,7 +27,7 @@ def test_promote_then_roll_back_moves_the_name_and_keeps_pins(model_config: Mode
     v2 = manager.load("x", tiny_llama_adapters["r2_qv"], new_version=True)
     assert manager.resolve("x") == v2.adapter_id and manager.list() == [v2]
     assert manager.failure(v1.adapter_id) is None and manager.can_acquire(v1.adapter_id)  # still held
-    assert manager.drain_retired() == []
+    assert manager.drain_dropped() == []
     assert manager.with_versions(lambda v: v.rollback("x")) == v1
     assert manager.resolve("x") == v1.adapter_id
     with pytest.raises(AdapterVersionConflict, match="no version older than v"):
@@ -39,7 +39,7 @@ def test_promote_then_roll_back_moves_the_name_and_keeps_pins(model_config: Mode
     assert v1.content_hash != v2.content_hash and v2.loaded_at >= v1.loaded_at > 0
     manager.release(v1.adapter_id)
     manager.unload("x")  # retires every version
-    assert sorted(manager.drain_retired()) == [v1.adapter_id, v2.adapter_id]
+    assert sorted(manager.drain_dropped()) == [v1.adapter_id, v2.adapter_id]
     assert manager.slot_table.slots == [None, None]
     manager.check_integrity()
     manager.close()
@@ -72,7 +72,7 @@ def test_promotions_past_the_bound_retire_the_oldest(model_config: ModelConfig,
     held_max = manager.versions.max_held
     ids = [manager.load("x", tiny_llama_adapters["r4_attn"], new_version=True).adapter_id
            for _ in range(held_max + 1)]
-    assert manager.drain_retired() == [ids[0]]
+    assert manager.drain_dropped() == [ids[0]]
     assert isinstance(manager.failure(ids[0]), UnknownAdapter)
     assert [v["id"] for v in manager.with_versions(lambda v: v.listing())[0]["versions"]] == [
         f"v{i}" for i in ids[1:]]

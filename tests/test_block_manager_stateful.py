@@ -117,8 +117,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule(version=st.sampled_from([1, 2]))
     def retire(self, version: int) -> None:
+        """The version is dropped: only once no sequence of it is left; its cached blocks are freed."""
+        if any(seq.version == version for seq in self.seqs):
+            return
         self.retired.add(version)
         self.m.retire(version)
+        assert not [b for b in range(NUM_BLOCKS) if self.m.key_of(b) and self.m.version_of(b) == version]
 
     @invariant()
     def blocks_are_consistent(self) -> None:

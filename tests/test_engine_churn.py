@@ -1,5 +1,6 @@
 """Churn: 20 adapters through 3 slots and a host tier of 6, loaded and unloaded while 60 requests run.
-Every completed output equals its solo output; no request is lost; all KV blocks and pins come back."""
+Every accepted request completes (it holds its adapter version through an unload) with its solo output;
+no request is lost; all KV blocks and pins come back."""
 
 from __future__ import annotations
 
@@ -74,8 +75,8 @@ def test_churn(tiny_llama: Path, twenty: dict[str, Path]) -> None:
 
     assert set(results) | rejected == {r[0] for r in requests}, "a request was lost"
     completed = {rid: out for rid, out in results.items() if out.error is None}
-    errored = {rid: out for rid, out in results.items() if out.error is not None}
-    assert all(isinstance(o.error, UnknownAdapter) and o.finish_reason == "error" for o in errored.values())
+    errored = {rid: out.error for rid, out in results.items() if out.error is not None}
+    assert errored == {}, "an accepted request failed: it holds its adapter version until it ends"
     assert len(completed) >= 30
     assert engine.allocator.num_free == engine.allocator.num_total
     assert engine.adapters.slot_table.pinned() == 0

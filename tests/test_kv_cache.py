@@ -145,37 +145,23 @@ def test_eviction_takes_the_least_recently_released_tail_first() -> None:
     m.check_integrity()
 
 
-def test_retired_version_is_evicted_first() -> None:
+def test_retired_version_blocks_are_freed() -> None:
+    """A dropped version (its last request ended) gives its cached blocks back at once; other versions' stay."""
     m = BlockManager(4, block_size=2)
     old, new = m.allocate(2, 1), m.allocate(2, 2)
     m.cache(old, chain([1, 2, 3, 4], 1))
     m.cache(new, chain([1, 2, 3, 4], 2))
     m.commit()
     m.free(new)
-    m.free(old)  # released last: LRU alone would evict `new` first
+    with pytest.raises(ValueError, match="still has referenced KV blocks"):
+        m.retire(1)  # a sequence of it still runs
+    m.free(old)
+    m.free(m.allocate(0, 1, m.match(chain([1, 2, 3, 4, 5], 1), 1, 5)))  # a lookup counted for version 1
+    assert 1 in m.counts_by_version()
     m.retire(1)
-    assert sorted(m.allocate(2, None)) == sorted(old)
+    assert m.num_cached == 2 and m.match(chain([1, 2, 3, 4], 1), 1, 4).blocks == ()
     assert m.match(chain([1, 2, 3, 4], 2), 2, 4).blocks == tuple(new)
-    assert 1 not in m.counts_by_version()
-
-
-def test_blocks_of_a_retired_version_released_later_are_evicted_first() -> None:
-    """A request still running on an unloaded version releases its blocks after ``retire``: they go to the
-    front of the eviction order, and its readmission after a preemption counts overall only."""
-    m = BlockManager(4, block_size=2)
-    running, other = m.allocate(2, 1), m.allocate(2, 2)
-    m.cache(running, chain([1, 2, 3, 4], 1))
-    m.cache(other, chain([1, 2, 3, 4], 2))
-    m.commit()
-    m.free(other)
-    m.retire(1)
-    m.free(running)  # released last, yet evicted first
-    hit = m.match(chain([1, 2, 3, 4, 5], 1), 1, 5)
-    assert hit.blocks == tuple(running)  # the preempted request still finds its own K/V
-    m.free(m.allocate(0, 1, hit))
-    assert (m.totals.queried_tokens, m.totals.hit_tokens) == (5, 4) and 1 not in m.counts_by_version()
-    assert sorted(m.allocate(2, None)) == sorted(running)
-    assert m.match(chain([1, 2, 3, 4], 2), 2, 4).blocks == tuple(other)
+    assert 1 not in m.counts_by_version() and m.num_free == 4 and m.evictions == 0
     m.check_integrity()
 
 

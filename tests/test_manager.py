@@ -173,8 +173,7 @@ def test_versions_unload_and_reload(model_config: ModelConfig, tiny_llama_adapte
         manager.resolve("x")
     with pytest.raises(UnknownAdapter):
         manager.unload("x")
-    assert isinstance(manager.failure(old.adapter_id), UnknownAdapter)
-    assert not manager.can_acquire(old.adapter_id)  # queued requests of the old version fail
+    assert manager.failure(old.adapter_id) is None  # pinned: still servable
     mapping = BatchMapping((old.adapter_id,))
     assert manager.lora_batch(mapping).token_slots.tolist() == [0]  # the running one keeps its slot
     new = manager.load("x", tiny_llama_adapters["r2_qv"])
@@ -186,7 +185,53 @@ def test_versions_unload_and_reload(model_config: ModelConfig, tiny_llama_adapte
     assert manager.slot_table.version == version + 1
     with pytest.raises(UnknownAdapter):
         manager.info(old.adapter_id)
+    assert isinstance(manager.failure(old.adapter_id), UnknownAdapter) and not manager.can_acquire(old.adapter_id)
     assert manager.acquire(new.adapter_id) == 0 and writer.slots[0].path == new.path
+    manager.check_integrity()
+    manager.close()
+
+
+def test_held_version_outlives_its_unload(model_config: ModelConfig, tiny_llama_adapters: dict[str, Path],
+                                         tmp_path: Path) -> None:
+    """Accepted means served: requests hold their version from ``hold`` to ``release_hold``. Unload stops new
+    requests at once; the held version stays acquirable (re-read from its folder if it left host memory) and
+    is dropped with everything kept for it when the last request ends. Only a version that can no longer be
+    read fails its requests, with an error naming the folder."""
+    folder = tmp_path / "x"
+    shutil.copytree(tiny_llama_adapters["r4_attn"], folder)
+    manager = make_manager(model_config, max_loras=1, max_cpu_loras=1)
+    v1 = manager.load("x", folder).adapter_id
+    assert [manager.hold("x").adapter_id for _ in range(2)] == [v1, v1]  # two accepted requests
+    manager.unload("x")
+    with pytest.raises(UnknownAdapter, match="no adapter named 'x'"):
+        manager.hold("x")
+    assert manager.drain_dropped() == [] and manager.failure(v1) is None
+    assert manager.acquire(v1) == 0  # the first request runs on it
+    manager.release(v1)
+    manager.release_hold(v1)
+    manager.check_integrity()
+    other = manager.load("y", tiny_llama_adapters["r2_qv"]).adapter_id  # pushes v1 out of host memory and its slot
+    activate(manager, other)
+    assert not manager.can_acquire(v1)  # cold: re-read in the background
+    manager.wait_for_read(v1, timeout=30)
+    assert manager.acquire(v1) == 0  # the second request is served too
+    manager.release(v1)
+    manager.release_hold(v1)  # the last one: dropped
+    assert manager.drain_dropped() == [v1] and isinstance(manager.failure(v1), UnknownAdapter)
+    assert v1 not in manager.host and manager.slot_table.slot_of.get(v1) is None
+    manager.check_integrity()
+    v2 = manager.load("x", folder).adapter_id
+    assert manager.hold("x").adapter_id == v2
+    manager.unload("x")
+    assert not manager.can_acquire(other)  # y left host memory when v2 was loaded: its re-read pushes v2 out ...
+    manager.wait_for_read(other, timeout=30)
+    shutil.rmtree(folder)  # ... and its folder vanishes
+    assert not manager.can_acquire(v2)
+    manager.wait_for_read(v2, timeout=30)
+    error = manager.failure(v2)
+    assert isinstance(error, AdapterContentChanged) and str(folder) in str(error) and "re-read" in str(error)
+    manager.release_hold(v2)  # the failed request ends: the record goes with the version
+    assert manager.drain_dropped() == [v2] and manager._failures == {}
     manager.check_integrity()
     manager.close()
 

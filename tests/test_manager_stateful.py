@@ -95,6 +95,7 @@ def test_manager_against_reference_model(format_folders: tuple[Path, dict[str, s
             self.folder_of: dict[int, str] = {}
             self.kind_of: dict[int, str] = {}
             self.retired: set[int] = set()
+            self.holds: dict[int, int] = {}  # version -> requests holding it (AdapterManager.hold)
             self.next_id = 1
             self.last: tuple[BatchMapping, LoRABatch] | None = None
 
@@ -104,9 +105,12 @@ def test_manager_against_reference_model(format_folders: tuple[Path, dict[str, s
         def pinned_ids(self) -> list[int]:
             return sorted(a for a, n in self.ref.pins.items() if n > 0)
 
+        def in_use(self, adapter_id: int) -> bool:
+            return bool(self.ref.pins.get(adapter_id, 0) or self.holds.get(adapter_id, 0))
+
         def held_bytes(self) -> int:
-            """Saved rows of live versions and of unloaded ones still pinned."""
-            held = set(self.live.values()) | {a for a in self.retired if self.ref.pins.get(a, 0)}
+            """Saved rows of live versions and of unloaded ones still pinned or held by requests."""
+            held = set(self.live.values()) | {a for a in self.retired if self.in_use(a)}
             return sum(KINDS[self.kind_of[a]][1] for a in held)
 
         @rule(name=st.sampled_from(names), folder=st.sampled_from(sorted(folders)))
@@ -136,11 +140,31 @@ def test_manager_against_reference_model(format_folders: tuple[Path, dict[str, s
             self.manager.unload(name)
             adapter_id = self.live.pop(name)
             self.retired.add(adapter_id)
-            if self.ref.pins.get(adapter_id, 0) == 0:
+            if not self.in_use(adapter_id):
+                self.ref.clear(adapter_id)
+
+        @rule(name=st.sampled_from(names))
+        def hold(self, name: str) -> None:
+            """A request of ``name`` is accepted: it holds the version the name serves now."""
+            if name not in self.live:
+                with pytest.raises(UnknownAdapter):
+                    self.manager.hold(name)
+                return
+            assert self.manager.hold(name).adapter_id == self.live[name]
+            self.holds[self.live[name]] = self.holds.get(self.live[name], 0) + 1
+
+        @precondition(lambda self: any(self.holds.values()))
+        @rule(data=st.data())
+        def release_hold(self, data: st.DataObject) -> None:
+            adapter_id = data.draw(st.sampled_from(sorted(a for a, n in self.holds.items() if n)))
+            self.manager.release_hold(adapter_id)
+            self.holds[adapter_id] -= 1
+            if adapter_id in self.retired and not self.in_use(adapter_id):
+                event("release_hold: the last request of an unloaded version drops it")
                 self.ref.clear(adapter_id)
 
         def _acquire(self, adapter_id: int) -> bool:
-            if adapter_id in self.retired:
+            if adapter_id in self.retired and not self.in_use(adapter_id):
                 assert isinstance(self.manager.failure(adapter_id), UnknownAdapter)
                 assert not self.manager.can_acquire(adapter_id)
                 return False
@@ -159,7 +183,7 @@ def test_manager_against_reference_model(format_folders: tuple[Path, dict[str, s
         def _release(self, adapter_id: int) -> None:
             self.manager.release(adapter_id)
             self.ref.pins[adapter_id] -= 1
-            if self.ref.pins[adapter_id] == 0 and adapter_id in self.retired:
+            if adapter_id in self.retired and not self.in_use(adapter_id):
                 self.ref.clear(adapter_id)
 
         @precondition(lambda self: self.known_ids())

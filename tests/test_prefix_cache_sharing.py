@@ -110,7 +110,8 @@ def test_a_key_without_the_version_would_be_caught(tiny_llama: Path, tiny_llama_
                                                    monkeypatch: pytest.MonkeyPatch, debug_checks: bool,
                                                    keyed_on: str) -> None:
     """The bug class of vLLM #30931 / #42125 rebuilt on purpose: block keys that leave out the adapter version
-    (or hold the adapter's *name*, and the name is reloaded with other weights) let a request read K/V that
+    (or hold the adapter's *name*, and the name is reloaded with other weights while a request of the old
+    version runs) let a request read K/V that
     other weights computed. The debug check fires; without it, the output is wrong."""
     prompt = words(random.Random(7), 21)
     reference = make_llm(tiny_llama, False, tiny_llama_adapters).generate(
@@ -125,7 +126,10 @@ def test_a_key_without_the_version_would_be_caught(tiny_llama: Path, tiny_llama_
 
     monkeypatch.setattr(scheduler_module, "extend_chain", mutated_chain)
     llm.generate([prompt], PARAMS, adapters=["a"], use_tqdm=False)
-    if keyed_on == "name":  # the name now holds other weights: the computation of the reference
+    if keyed_on == "name":  # the name now holds other weights (the reference's), while the old version's
+        # blocks stay cached: a request of it still runs (a dropped version's blocks are freed at once)
+        llm.engine.add_request("old", prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True), "a")
+        llm.engine.step()
         llm.unload_adapter("a")
         llm.load_adapter("a", tiny_llama_adapters["r2_qv"])
         second = "a"

@@ -12,12 +12,15 @@ from loraplex.adapters.slots import SlotTable
 def check_tiers(slot_table: SlotTable, host: HostCache, infos: Mapping[int, AdapterInfo],
                 written: Sequence[str | None], held: Set[int], checked_version: int, memo_version: int | None) -> int:
     """Raise AssertionError unless every slot holds a registered version whose content the writer got, a
-    retired version keeps its slot only while pinned, and host memory holds only held versions, within
-    its capacity. ``infos``: registered versions (held + retired still pinned); ``written``: the content
-    hash handed to the writer per slot; ``held``: the acquirable version ids. The slot table's version
-    never goes back (from ``checked_version``) and memoised indices (``memo_version``) are never newer;
-    returns the version checked."""
+    version no request holds and no one acquires keeps no slot while unpinned, and host memory holds only
+    acquirable versions, within its capacity. ``infos``: versions not dropped; ``written``: the content
+    hash handed to the writer per slot; ``held``: the acquirable version ids (held, in use by requests, or
+    pinned): exactly those kept.
+    The slot table's version never goes back (from ``checked_version``) and memoised indices
+    (``memo_version``) are never newer; returns the version checked."""
     slot_table.check_integrity()
+    if set(infos) != set(held):
+        raise AssertionError(f"versions kept {sorted(infos)} are not those held, in use or pinned {sorted(held)}")
     version = slot_table.version
     if version < checked_version:
         raise AssertionError(f"slot version went back from {checked_version} to {version}")

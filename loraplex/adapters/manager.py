@@ -4,14 +4,17 @@ Tiers: registry (names -> held versions: ``VersionTable``), host memory (``max_c
 LRU), device slots (``max_loras``, written through ``writer``).
 - Ids are versions. Each successful ``load`` gets a fresh id (``new_version=True`` promotes an existing
   name to it; the versions it held stay acquirable); ``unload`` retires every version of the name
-  (as does a promotion past ``VersionTable.max_held`` for the oldest): it can no longer be acquired
-  (``failure(id)`` says why), but pins already held keep its slot intact until the last ``release``,
-  which clears the slot. ``drain_retired`` hands the retired ids to the engine (cache eviction).
+  (as does a promotion past ``VersionTable.max_held`` for the oldest): no new request resolves to it.
+- Accepted means served: ``hold(name)`` routes each engine request to a version and holds it until
+  ``release_hold``; a retired version stays acquirable while any request holds it or a pin is left.
+  When the last one ends, the version is *dropped*: its host weights, saved-rows reservation, tokenizer,
+  slot and failure record go, and ``drain_dropped`` hands its id to the engine (its cached KV blocks).
 - Per request, ask then do: ``can_acquire(id)``, then ``acquire(id) -> slot`` (pins), and
   ``release(id)`` when the request stops running. ``can_acquire`` is False while every slot is
   pinned, or while the weights are not in host memory (it then starts a background re-read from
-  the adapter's folder; a re-read whose content hash differs marks the id failed with
-  ``AdapterContentChanged``). ``try_acquire`` does both atomically.
+  the adapter's folder; a re-read that fails or whose content hash differs marks the id failed with
+  ``AdapterContentChanged``: the one way a held version fails its queued requests). ``try_acquire``
+  does both atomically.
 - Per step, ``lora_batch(mapping)`` derives slot indices, memoised on (mapping, slot-table version).
 - ``load`` folds the version against the base weights once (``writer.prepare``: DoRA scales), reads its
   own tokenizer if it ships one, and reserves its saved vocabulary rows in ``SavedRowsBudget`` (kept
@@ -29,6 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 
+from loraplex.adapters.batch_indices import BatchIndices
 from loraplex.adapters.budget import SavedRowsBudget
 from loraplex.adapters.host_cache import HostCache
 from loraplex.adapters.info import AdapterCounters, AdapterInfo
@@ -42,7 +46,7 @@ from loraplex.adapters.versions import VersionTable
 from loraplex.adapters.weights import AdapterWeights
 from loraplex.config import ModelConfig
 from loraplex.errors import AdapterAlreadyLoaded, AdapterError, UnknownAdapter
-from loraplex.ops.lora_batch import BatchMapping, LoRABatch, build_lora_batch
+from loraplex.ops.lora_batch import BatchMapping, LoRABatch
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,14 +63,14 @@ class AdapterManager:
         self.budget = SavedRowsBudget(saved_rows_budget)
         self._counters = AdapterCounters()
         self._lock = threading.RLock()
-        self.versions = VersionTable()  # held versions (acquirable) per name
-        self._infos: dict[int, AdapterInfo] = {}  # held versions + retired ones still pinned
-        self._retired: list[int] = []  # retired since the last drain_retired
-        self._failures: dict[int, AdapterError] = {}  # ids that can never be acquired again
+        self.versions = VersionTable()  # held versions per name, and the requests holding each version
+        self._infos: dict[int, AdapterInfo] = {}  # versions not dropped: held, in use or pinned
+        self._dropped: list[int] = []  # dropped since the last drain_dropped
+        self._failures: dict[int, AdapterError] = {}  # versions that can no longer be read (until dropped)
         self._written: list[str | None] = [None] * max_loras  # content hash handed to the writer per slot
         self._next_id = 1
         self._rereads = Rereads(self._read, self._reread_done)
-        self._memo: tuple[BatchMapping, int, LoRABatch, frozenset[int]] | None = None
+        self._indices = BatchIndices()
         self._checked_version = 0
 
     def load(self, name: str, path: str | Path, new_version: bool = False) -> AdapterInfo:
@@ -84,34 +88,39 @@ class AdapterManager:
             self._next_id += 1
             self._infos[info.adapter_id] = info
             for old in self.versions.add(info):
-                self._retire(old, f"adapter {name!r} version v{old.adapter_id} was retired by newer versions")
+                self._drop_if_unused(old.adapter_id)
             self._put_host(info.adapter_id, weights)
             self._counters.loads += 1
         logger.info("loaded adapter %r (id %d, rank %d) from %s", name, info.adapter_id, info.max_rank, path)
         return info
 
     def unload(self, name: str) -> AdapterInfo:
-        """Retire every version of ``name`` (returns the one it served): new resolves fail; pinned slots
-        stay intact until their last release."""
+        """Retire every version of ``name`` (returns the one it served): new requests of the name fail at once;
+        the requests holding a version still run on it, and it is dropped when the last one ends."""
         with self._lock:
             infos = self.versions.remove(name)
             for info in infos:
-                self._retire(info, f"adapter {name!r} (id {info.adapter_id}) was unloaded")
+                self._drop_if_unused(info.adapter_id)
         logger.info("unloaded adapter %r (versions %s)", name, ", ".join(f"v{i.adapter_id}" for i in infos))
         return infos[-1]
 
-    def _retire(self, info: AdapterInfo, why: str) -> None:
-        self._failures[info.adapter_id] = UnknownAdapter(why)
-        self._retired.append(info.adapter_id)
-        self.host.pop(info.adapter_id)
-        if self.slot_table.pins(info.adapter_id) == 0:
-            self._drop(info.adapter_id)
-
-    def drain_retired(self) -> list[int]:
-        """Version ids retired since the last call."""
+    def drain_dropped(self) -> list[int]:
+        """Version ids dropped since the last call (their memory is freed; the engine frees their KV blocks)."""
         with self._lock:
-            retired, self._retired = self._retired, []
-            return retired
+            dropped, self._dropped = self._dropped, []
+            return dropped
+
+    def hold(self, name: str, adapter_id: int | None = None) -> AdapterInfo:
+        """``route`` for one engine request, which holds the version (it stays acquirable, even unloaded)
+        until ``release_hold``."""
+        with self._lock:
+            return self.versions.hold(name, adapter_id)
+
+    def release_hold(self, adapter_id: int) -> None:
+        """A request holding ``adapter_id`` ended; the last one of an unloaded version drops it."""
+        with self._lock:
+            if self.versions.release(adapter_id):
+                self._drop_if_unused(adapter_id)
 
     def resolve(self, name: str) -> int:
         """The version ``name`` serves now (ignoring a split)."""
@@ -145,10 +154,10 @@ class AdapterManager:
             return info
 
     def failure(self, adapter_id: int) -> AdapterError | None:
-        """Why ``adapter_id`` can never be acquired again (unloaded, changed on disk), or None."""
+        """Why ``adapter_id`` can never be acquired again (dropped, or its files can no longer be read), or None."""
         with self._lock:
-            if adapter_id not in self._infos and adapter_id not in self._failures:
-                return UnknownAdapter(f"no adapter with id {adapter_id}")
+            if adapter_id not in self._infos:
+                return UnknownAdapter(f"adapter version v{adapter_id} is not loaded (unloaded; no request holds it)")
             return self._failures.get(adapter_id)
 
     def can_acquire(self, adapter_id: int) -> bool:
@@ -201,10 +210,10 @@ class AdapterManager:
             return self.acquire(adapter_id) if self.can_acquire(adapter_id) else None
 
     def release(self, adapter_id: int) -> None:
-        """Drop one pin; the last pin of an unloaded version clears its slot."""
+        """Drop one pin; the last pin of an unused, unloaded version drops it."""
         with self._lock:
-            if self.slot_table.release(adapter_id) == 0 and not self._is_live(adapter_id):
-                self._drop(adapter_id)
+            if self.slot_table.release(adapter_id) == 0:
+                self._drop_if_unused(adapter_id)
 
     def wait_for_read(self, adapter_id: int, timeout: float | None = None) -> None:
         """Block until a background re-read of ``adapter_id`` (if one is running) has finished."""
@@ -214,20 +223,7 @@ class AdapterManager:
         """Slot indices for ``mapping`` (None if no token uses an adapter), memoised on
         (mapping, slot-table version). Raises RuntimeError if a mapped id is not pinned."""
         with self._lock:
-            version = self.slot_table.version
-            memo = self._memo
-            hit = memo is not None and memo[1] == version and (memo[0] is mapping or memo[0] == mapping)
-            batch, ids = (memo[2], memo[3]) if hit else (
-                None, frozenset(a for a in mapping.token_adapter_ids if a is not None))
-            for adapter_id in ids:
-                if self.slot_table.pins(adapter_id) == 0:
-                    raise RuntimeError(f"adapter {adapter_id} is in the batch mapping but holds no pin")
-            if batch is None:
-                if all(a is None for a in mapping.token_adapter_ids):
-                    return None
-                batch = build_lora_batch(mapping, self.slot_table.slot_of, version)
-                self._memo = (mapping, version, batch, ids)
-            return batch
+            return self._indices.derive(mapping, self.slot_table)
 
     def slot_owner(self, slot: int) -> int | None:
         """The adapter id in ``slot`` (None if empty): for the engine's right-weights debug check."""
@@ -251,9 +247,10 @@ class AdapterManager:
     def check_integrity(self) -> None:
         """Raise AssertionError unless slots, pins, writer-visible state and registry agree."""
         with self._lock:
-            held = {i.adapter_id for i in self.versions.all_held()}
+            held = {i.adapter_id for i in self.versions.all_held()} | set(self.versions.in_flight) | {
+                a for a in self.slot_table.slot_of if self.slot_table.pins(a)}
             self._checked_version = check_tiers(self.slot_table, self.host, self._infos, self._written, held,
-                                                self._checked_version, self._memo[1] if self._memo else None)
+                                                self._checked_version, self._indices.version)
 
     def close(self) -> None:
         """Stop the background reader (pending reads are cancelled)."""
@@ -265,10 +262,6 @@ class AdapterManager:
                 raise AdapterAlreadyLoaded(f"{path}: an adapter named {name!r} is already loaded (from "
                                            f"{current.path}); unload it first, or load it as a new version")
 
-    def _is_live(self, adapter_id: int) -> bool:
-        """Held (not retired: a retired version may still be pinned)."""
-        return self.versions.is_held(adapter_id)
-
     def _read(self, path: str | Path) -> AdapterWeights:
         """Read, validate and fold one version (in the caller's thread)."""
         return self.writer.prepare(read_peft_adapter(path, self.model_config, self.max_lora_rank, self.allow_pickle))
@@ -277,9 +270,14 @@ class AdapterManager:
         keep = self.budget.holds(adapter_id)  # saved rows stay resident while loaded
         self._counters.host_evictions += len(self.host.put(adapter_id, weights, keep=keep))
 
-    def _drop(self, adapter_id: int) -> None:
-        """Forget an unloaded version whose pins reached zero; its slot (if any) is cleared."""
+    def _drop_if_unused(self, adapter_id: int) -> None:
+        """Forget a version that is not held, holds no request and no pin: everything kept for it is freed."""
+        if self.versions.is_held(adapter_id) or self.versions.in_use(adapter_id) or self.slot_table.pins(adapter_id):
+            return
         del self._infos[adapter_id]
+        self._failures.pop(adapter_id, None)
+        self._dropped.append(adapter_id)
+        self.host.pop(adapter_id)
         self.budget.release(adapter_id)
         slot = self.slot_table.slot_of.get(adapter_id)
         if slot is not None:
@@ -291,8 +289,8 @@ class AdapterManager:
         """The background re-read of ``info`` finished (reader thread)."""
         with self._lock:
             self._counters.disk_reads += 1
-            if not self._is_live(info.adapter_id):
-                return  # unloaded meanwhile
+            if info.adapter_id not in self._infos:
+                return  # dropped meanwhile
             if error is not None:
                 self._failures[info.adapter_id] = error
                 logger.warning("%s", error)

@@ -10,6 +10,9 @@ optional weighted split between held versions (a canary).
   for integer ratios, and deterministic (a test or an auditor can reproduce the sequence). A promotion,
   a rollback or a split of one version clears it.
 - At most ``max_held`` versions per name are held; promoting past that retires the oldest.
+- Requests in flight hold their version: ``hold`` routes a new engine request and counts it on its version
+  (``in_flight``) until ``release``; a version that left the table (unloaded, retired) stays in use while
+  any request holds it, and ``release`` says when its last one ended (its memory may be freed then).
 Not thread-safe: ``AdapterManager`` calls it under its lock.
 """
 
@@ -30,7 +33,8 @@ class VersionTable:
         self._current: dict[str, AdapterInfo] = {}
         self._split: dict[str, list[list[float]]] = {}  # name -> [[adapter_id, weight, running score]]
         self._by_id: dict[int, AdapterInfo] = {}
-        self.served: dict[int, int] = {}  # adapter id -> engine requests queued on it
+        self.served: dict[int, int] = {}  # adapter id -> engine requests routed to it (held versions)
+        self.in_flight: dict[int, int] = {}  # adapter id -> engine requests holding it now (held or not)
 
     def current(self, name: str) -> AdapterInfo | None:
         return self._current.get(name)
@@ -126,6 +130,26 @@ class VersionTable:
             info = current
         self.served[info.adapter_id] += 1
         return info
+
+    def hold(self, name: str, adapter_id: int | None = None) -> AdapterInfo:
+        """``route(name, adapter_id)`` for one engine request, which holds the version until ``release``."""
+        info = self.route(name, adapter_id)
+        self.in_flight[info.adapter_id] = self.in_flight.get(info.adapter_id, 0) + 1
+        return info
+
+    def release(self, adapter_id: int) -> bool:
+        """One request holding ``adapter_id`` ended; True if it was the last one and the version is no longer
+        held (unloaded or retired meanwhile): nothing can use it any more."""
+        left = self.in_flight[adapter_id] - 1
+        if left:
+            self.in_flight[adapter_id] = left
+            return False
+        del self.in_flight[adapter_id]
+        return not self.is_held(adapter_id)
+
+    def in_use(self, adapter_id: int) -> bool:
+        """Whether a request in flight holds ``adapter_id``."""
+        return adapter_id in self.in_flight
 
     def listing(self) -> list[dict[str, Any]]:
         """Every name with its current version, split and held versions, as JSON-serialisable data."""

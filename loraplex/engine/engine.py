@@ -22,11 +22,11 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from loraplex.adapters.info import AdapterInfo
 from loraplex.adapters.manager import AdapterManager
 from loraplex.config import EngineConfig
-from loraplex.engine.detokenizer import IncrementalDetokenizer
+from loraplex.engine.intake import RequestIntake
 from loraplex.engine.invariants import check_right_kv, check_right_weights, keys_hold_all_kv_inputs
 from loraplex.engine.kv_cache import BlockManager, KVCache
 from loraplex.engine.logprobs import add_prompt_logprobs, needs_prompt_rows
-from loraplex.engine.request import Request, RequestOutput, SamplingParams, check_context_length
+from loraplex.engine.request import Request, RequestOutput, SamplingParams
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.engine.sampling import sample_rows
 from loraplex.engine.scheduler import Scheduler
@@ -34,7 +34,7 @@ from loraplex.engine.stats import EngineStats, collect_stats
 from loraplex.engine.structured.compiler import GrammarCompilers
 from loraplex.engine.structured.waiting import GrammarWaitlist
 from loraplex.engine.tokenizers import TokenizerTable
-from loraplex.errors import LoraplexError, RequestError
+from loraplex.errors import LoraplexError
 from loraplex.layers.lora_linear import use_lora_kernels
 from loraplex.models.embedded import resolve_model
 from loraplex.models.fingerprint import checkpoint_fingerprint
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _Retire:
-    """Inbox item: an adapter version was unloaded; its cached blocks are evicted first."""
+    """Inbox item: an adapter version was dropped (no request holds it); its cached blocks are freed."""
 
     adapter_id: int
 
@@ -96,8 +96,8 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self.grammars = GrammarCompilers(self.model_config.eos_token_ids)  # structured outputs' grammars
         self._compiling = GrammarWaitlist()  # requests waiting for their grammar, outside the scheduler
-        self._generator = torch.Generator().manual_seed(config.seed)
-        self._ids = itertools.count()
+        self.intake = RequestIntake(self.adapters, self.tokenizer, self.model_config.vocab_size, self.model_name,
+                                    self.max_model_len, self.grammars, config.seed)
         self._fingerprint: str | None = None
         self._fingerprint_lock = threading.Lock()
         logger.info("model %s (%s, %s on %s): %d layers; %d LoRA slots, host tier %d, max rank %d, %s LoRA "
@@ -116,12 +116,14 @@ class Engine:
         return info
 
     def unload_adapter(self, name: str) -> None:
-        """Retire every version of ``name`` (running requests finish with theirs); reloading makes a new one."""
+        """Retire every version of ``name``: new requests of it fail at once; accepted ones (queued or running)
+        finish on theirs, which is freed when the last one ends. Reloading makes a new version."""
         self.adapters.unload(name)
         self._retire_dropped()
 
     def _retire_dropped(self) -> None:
-        for adapter_id in self.adapters.drain_retired():
+        """Versions dropped (unloaded and their last request ended): their cached KV blocks are freed next step."""
+        for adapter_id in self.adapters.drain_dropped():
             self._inbox.put(_Retire(adapter_id))
 
     def route_adapter(self, name: str) -> AdapterInfo:
@@ -167,24 +169,12 @@ class Engine:
         return TokenizerTable.of(self.adapters.list(), self.model_config.vocab_size)
 
     def _version(self, adapter_id: int | None) -> tuple[PreTrainedTokenizerBase | None, int]:
-        """(tokenizer, vocabulary size) that a request for ``adapter_id`` (None: the base) uses."""
-        info = self.adapters.info(adapter_id) if adapter_id is not None else None
-        tokenizer = info.tokenizer if info is not None and info.tokenizer is not None else self.tokenizer
-        return tokenizer, (info.vocab_size if info is not None and info.vocab_size else self.model_config.vocab_size)
+        return self.intake.version(adapter_id)
 
     # ---- requests (any thread) ----
     def tokenize(self, prompt: str | list[int], adapter: str | None = None) -> list[int]:
         """Token ids of ``prompt`` as ``adapter``'s requests see them (its tokenizer and vocabulary)."""
-        return self._tokenize(prompt, *self._version(self.adapters.resolve(adapter) if adapter else None))
-
-    def _tokenize(self, prompt: str | list[int], tokenizer: PreTrainedTokenizerBase | None, vocab: int) -> list[int]:
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise RequestError(f"model {self.model_name} has no tokenizer: pass token ids", "prompt")
-            return tokenizer.encode(prompt, add_special_tokens=False)
-        if not prompt or any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
-            raise RequestError(f"prompt token ids must be a non-empty list of ints in [0, {vocab})", "prompt")
-        return list(prompt)
+        return self.intake.tokenize(prompt, *self._version(self.adapters.resolve(adapter) if adapter else None))
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     adapter: str | None = None, detokenize: bool = True, **tags: Any) -> str:
@@ -198,28 +188,11 @@ class Engine:
         are admitted together (the choices of an ``n > 1`` request, the prompts of a prompt list); raises
         before anything is queued. Each request is one choice (fan out with ``params.choices()``). Returns
         their ids. ``detokenize=False``: token ids only, for a caller that detokenizes (output_processor.py).
-        ``tenant``, ``priority``: admission order (``fair_share.py``); ``adapter_version`` pins a held version."""
-        requests = [self._make_request(*item, detokenize, adapter_version) for item in items]
-        for request in requests:
-            request.tenant, request.priority = tenant, priority
+        ``tenant``, ``priority``: admission order (``fair_share.py``); ``adapter_version`` pins a held version.
+        Each request holds its adapter version until it finishes (``intake.py``), even if unloaded meanwhile."""
+        requests = self.intake.make_all(items, detokenize, adapter_version, tenant=tenant, priority=priority)
         self._inbox.put(requests)
         return [r.request_id for r in requests]
-
-    def _make_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                      adapter: str | None, detokenize: bool, adapter_version: int | None = None) -> Request:
-        adapter_id = self.adapters.route(adapter, adapter_version).adapter_id if adapter is not None else None
-        tokenizer, vocab_size = self._version(adapter_id)  # the version's own tokenizer, if it ships one
-        params.validate(vocab_size)
-        if params.n != 1:
-            raise RequestError(f"an engine request is one choice, got n={params.n}: submit params.choices() "
-                               "(LLM.generate and the server do)", "n")
-        token_ids = self._tokenize(prompt, tokenizer, vocab_size)
-        check_context_length(len(token_ids), params.max_tokens, self.max_model_len)
-        generator = self._generator if params.seed is None else torch.Generator().manual_seed(params.torch_seed)
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        detokenizer = IncrementalDetokenizer(tokenizer, params.stop) if detokenize else None
-        grammar = self.grammars.state_for(params.structured_outputs, tokenizer, vocab_size)  # compiles off the loop
-        return Request(request_id, token_ids, params, adapter, adapter_id, generator, detokenizer, grammar=grammar)
 
     def abort_request(self, request_id: str) -> None:
         self._inbox.put(request_id)
@@ -261,6 +234,7 @@ class Engine:
             if request.finished:
                 self._requests.pop(request.request_id, None)
             outputs.append(request.output())
+        self._retire_dropped()
         return outputs
 
     def _drain_inbox(self) -> list[RequestOutput]:

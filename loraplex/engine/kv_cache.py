@@ -53,7 +53,7 @@ class BlockManager:
     running step writes; the keys are *pending* (visible to ``match`` in the same step, whose forward
     pass writes every K/V before any is read) until ``commit``; ``rollback`` forgets the pending keys
     of a step that failed. Keys hold the adapter version, so a version's blocks never match another
-    version; ``retire(version)`` (its name was unloaded or reloaded) only makes them evicted first.
+    version; ``retire(version)`` (the version was dropped: no sequence of it is left) frees its cached blocks.
     With ``enable_caching=False`` nothing is keyed, matched or kept after its last reference.
     """
 
@@ -69,7 +69,6 @@ class BlockManager:
         self._versions: list[int | None] = [None] * num_blocks  # version of the sequence that wrote it
         self._index: dict[bytes, int] = {}  # key -> the block holding that content
         self._pending: dict[int, None] = {}  # blocks keyed in the running step
-        self._retired: set[int] = set()  # unloaded versions: their blocks are evicted first
         self.evictions = 0
         self.totals = PrefixCounts()
         self._by_version: dict[int | None, PrefixCounts] = {}
@@ -127,10 +126,7 @@ class BlockManager:
             self._refs[b] = 1
             self._versions[b] = adapter_id
         if prefix is not None and self.caching:
-            counters = [self.totals]
-            if adapter_id not in self._retired:  # a preempted request of an unloaded version counts overall only
-                counters.append(self._by_version.setdefault(adapter_id, PrefixCounts()))
-            for c in counters:
+            for c in (self.totals, self._by_version.setdefault(adapter_id, PrefixCounts())):
                 c.queried_tokens += prefix.queried_tokens
                 c.hit_tokens += prefix.hit_tokens
         return shared + fresh
@@ -145,9 +141,7 @@ class BlockManager:
             self._refs[b] -= 1
             if self._refs[b] == 0:
                 if self._keys[b] is not None:
-                    self._cached[b] = None  # most recently released: evicted last ...
-                    if self._versions[b] in self._retired:
-                        self._cached.move_to_end(b, last=False)  # ... unless its version was unloaded
+                    self._cached[b] = None  # most recently released: evicted last
                 else:
                     self._free.append(b)
 
@@ -178,16 +172,20 @@ class BlockManager:
         self._pending.clear()
 
     def retire(self, adapter_id: int) -> None:
-        """``adapter_id`` was unloaded: its cached blocks go first when space is needed (its keys, which hold
-        the version, can match no other version), now and when its running requests release theirs; its lookup
-        counters are dropped."""
-        self._retired.add(adapter_id)
-        for b in reversed([b for b in self._cached if self._versions[b] == adapter_id]):
-            self._cached.move_to_end(b, last=False)
+        """``adapter_id`` was dropped (unloaded or retired, and no sequence of it is left): its cached blocks are
+        freed now (their keys hold the version, so nothing else could match them) and its lookup counters
+        dropped. Raises ``ValueError`` (changing nothing) if a block of it is still referenced."""
+        if any(self._refs[b] and self._versions[b] == adapter_id for b in range(self.num_total)):
+            raise ValueError(f"adapter version {adapter_id} still has referenced KV blocks: it cannot be retired")
+        for b in [b for b in self._cached if self._versions[b] == adapter_id]:
+            del self._cached[b]
+            self._pending.pop(b, None)
+            self._unkey(b)
+            self._free.append(b)
         self._by_version.pop(adapter_id, None)
 
     def counts_by_version(self) -> dict[int | None, PrefixCounts]:
-        """Lookup counters per adapter version (None = base) that has not been retired; a copy."""
+        """Lookup counters per adapter version (None = base) not retired; a copy."""
         return {v: PrefixCounts(c.queried_tokens, c.hit_tokens) for v, c in self._by_version.copy().items()}
 
     def check_sequence(self, block_table: Sequence[int], keys: Sequence[bytes], adapter_id: int | None) -> None:

@@ -71,6 +71,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks (block_hash)
     pinned: bool = False  # holds a pin on its adapter's slot
+    holds_version: bool = False  # holds its adapter version (AdapterManager.hold) until it finishes
     finish_reason: str | None = None
     error: LoraplexError | None = None
     logprobs: list[TokenLogprob] | None = None  # per generated token, when params.logprobs is set

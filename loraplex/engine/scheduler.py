@@ -62,7 +62,8 @@ class ScheduledRequest:
 
 
 class Scheduler:
-    """``adapters`` needs only ``try_acquire(id) -> slot | None``, ``resident(id)`` and ``release(id)``; a
+    """``adapters`` needs only ``try_acquire(id) -> slot | None``, ``resident(id)``, ``release(id)`` and
+    ``release_hold(id)`` (for a request made with ``holds_version``, when it finishes); a
     request stops at any of ``eos_token_ids`` (unless it ignores EOS) and at ``max_model_len`` tokens."""
 
     def __init__(self, config: EngineConfig, allocator: BlockManager, adapters: AdapterManager,
@@ -255,7 +256,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, request: Request, reason: str) -> None:
-        """Remove ``request`` from whichever queue holds it and return its blocks and pin."""
+        """Remove ``request`` from whichever queue holds it and return its blocks, its pin and its version."""
         if request.status is not RequestStatus.FINISHED:
             self.fair_share.leave(request)
         if request.status is RequestStatus.RUNNING:
@@ -273,3 +274,6 @@ class Scheduler:
         if request.pinned:
             self.adapters.release(request.adapter_id)
             request.pinned = False
+        if request.holds_version:
+            self.adapters.release_hold(request.adapter_id)
+            request.holds_version = False
