@@ -1,12 +1,15 @@
 """Shared benchmark helpers: random PEFT-format adapters written directly, chat prompts, peak RSS, the
-decode step's bare matmuls."""
+decode step's bare matmuls, and the options, clock, header and JSON output of the step benchmarks."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import platform
 import random
 import resource
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -78,6 +81,37 @@ def machine_line() -> str:
     except OSError:
         pass
     return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, {platform.python_version()}"
+
+
+def add_step_options(parser: argparse.ArgumentParser, iters: int) -> None:
+    """The options every interleaved step benchmark takes: batch, iterations, threads, clock, output."""
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--iters", type=int, default=iters)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                        help="thread: this thread's CPU time (with --threads 1 all compute runs in it), which a "
+                             "busy shared host inflates far less than wall time")
+
+
+def step_clock(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Callable[[], float]:
+    """The clock ``--clock`` names (after checking it against ``--threads``); sets torch's threads."""
+    if args.clock == "thread" and args.threads != 1:
+        parser.error("--clock thread needs --threads 1")
+    torch.set_num_threads(args.threads)
+    return time.thread_time if args.clock == "thread" else time.perf_counter
+
+
+def step_header(args: argparse.Namespace) -> str:
+    """The first line of a step benchmark's table: machine, load, batch, iterations, clock."""
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return f"# {machine_line()} (load {load}); batch {args.batch}, {args.iters} interleaved steps, {args.clock} clock"
+
+
+def write_json(path: str | None, result: dict) -> None:
+    """``result`` as indented JSON at ``path`` (its folder made), unless ``path`` is None."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2))
 
 
 def matmul_floors(model: torch.nn.Module, batch: int) -> dict[str, Callable[[], None]]:

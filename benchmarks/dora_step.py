@@ -13,7 +13,6 @@ adapters on all seven projections; prefill: one 32-token chunk per adapter. Prin
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -24,7 +23,7 @@ from types import MappingProxyType
 
 import torch
 
-from benchmarks.common import machine_line, write_random_adapter
+from benchmarks.common import add_step_options, machine_line, step_clock, step_header, write_json, write_random_adapter
 from loraplex.adapters.peft_format import read_peft_adapter
 from loraplex.engine.kv_cache import BlockManager, KVCache
 from loraplex.engine.runner import ModelRunner, StepEntry
@@ -49,21 +48,13 @@ def lora_batch(slots: list[int], counts: list[int]):  # noqa: ANN201 - a LoRABat
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=32)
+    add_step_options(parser, iters=10)
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--context", type=int, default=100)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
-                        help="thread: this thread's CPU time (with --threads 1 all compute runs in it), which a "
-                             "busy shared host inflates far less than wall time")
     parser.add_argument("--out", default="benchmarks/results/dora_step.json")
     args = parser.parse_args()
-    if args.clock == "thread" and args.threads != 1:
-        parser.error("--clock thread needs --threads 1")
-    clock = time.thread_time if args.clock == "thread" else time.perf_counter
-    torch.set_num_threads(args.threads)
+    clock = step_clock(parser, args)
     torch.manual_seed(0)
     n = args.adapters
     model = load_model(embedded_checkpoint(), None, 2 * n, args.rank, torch.float32, "cpu")
@@ -107,10 +98,8 @@ def main() -> None:
                               "dora_over_lora": statistics.median(ratios), "ratio_min": min(ratios),
                               "ratio_max": max(ratios),
                               "min_dora_over_min_lora": min(times["dora"]) / min(times["lora"])}
-    load = os.getloadavg()
-    print(f"# {machine_line()}; load {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
-    print(f"# SmolLM2-135M fp32, {n} rank-{args.rank} adapters on all 7 projections; {args.iters} interleaved runs, "
-          f"{args.clock} clock; "
+    print(step_header(args))
+    print(f"# SmolLM2-135M fp32, {n} rank-{args.rank} adapters on all 7 projections; "
           f"DoRA fold at load: {fold_ms:.0f} ms per adapter version")
     print("# median ms (min ms); DoRA/LoRA: median of the per-round ratios (range), and min over min")
     print(f"{'shape':>8} {'tokens':>6} {'base':>15} {'LoRA':>15} {'DoRA':>15} {'DoRA/LoRA':>9} {'range':>13} "
@@ -120,10 +109,8 @@ def main() -> None:
         cells = " ".join(f"{r[f'{k}_ms']:>7.1f} ({r[f'{k}_min_ms']:>5.1f})" for k in ("base", "lora", "dora"))
         print(f"{shape:>8} {tokens:>6} {cells} {r['dora_over_lora']:>9.3f} {r['ratio_min']:>6.3f}-{r['ratio_max']:.3f} "
               f"{r['min_dora_over_min_lora']:>7.3f}")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"config": vars(args), "load_average": load, "fold_ms": fold_ms,
-                                              "machine": machine_line(), **results}, indent=2))
+    write_json(args.out, {"config": vars(args), "load_average": os.getloadavg(), "fold_ms": fold_ms,
+                          "machine": machine_line(), **results})
 
 
 if __name__ == "__main__":

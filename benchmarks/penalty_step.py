@@ -11,16 +11,14 @@ Prints a table with the load average; ``--out PATH`` writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from benchmarks.common import machine_line
+from benchmarks.common import add_step_options, machine_line, step_clock, step_header, write_json
 from loraplex.engine.kv_cache import BlockManager, KVCache
 from loraplex.engine.logits_processors import ProcessorState
 from loraplex.engine.runner import ModelRunner, StepEntry
@@ -51,19 +49,11 @@ def penalised(rng: random.Random, vocab: int, base: SamplingParams) -> SamplingP
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=32)
+    add_step_options(parser, iters=12)
     parser.add_argument("--context", type=int, default=100)
-    parser.add_argument("--iters", type=int, default=12)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
-                        help="thread: this thread's CPU time (with --threads 1 all compute runs in it), which a "
-                             "busy shared host inflates far less than wall time")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if args.clock == "thread" and args.threads != 1:
-        parser.error("--clock thread needs --threads 1")
-    clock = time.thread_time if args.clock == "thread" else time.perf_counter
-    torch.set_num_threads(args.threads)
+    clock = step_clock(parser, args)
     torch.manual_seed(0)
     rng = random.Random(0)
     model = load_model(embedded_checkpoint(), None, 4, 16, torch.float32, "cpu")
@@ -110,8 +100,7 @@ def main() -> None:
         result[f"{mode}_ratio"] = result[f"{mode}/penalised_step_ms"] / result[f"{mode}/plain_step_ms"]
         result[f"{mode}_paired_ratio"] = statistics.median(
             p / q for p, q in zip(times[f"{mode}/penalised"], times[f"{mode}/plain"], strict=True))
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"# {machine_line()} (load {load}); batch {args.batch}, {args.iters} interleaved steps, {args.clock} clock")
+    print(step_header(args))
     print(f"{'mode':>8} {'plain_step_ms':>13} {'penalised_step_ms':>17} {'ratio':>6} {'paired':>6} "
           f"{'plain_sampler_ms':>16} {'penalised_sampler_ms':>20}")
     for mode in modes:
@@ -119,9 +108,7 @@ def main() -> None:
         print(f"{mode:>8} {r['plain_step_ms']:>13.1f} {r['penalised_step_ms']:>17.1f} {result[f'{mode}_ratio']:>6.3f} "
               f"{result[f'{mode}_paired_ratio']:>6.3f} {r['plain_sampler_ms']:>16.2f} "
               f"{r['penalised_sampler_ms']:>20.2f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

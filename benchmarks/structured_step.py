@@ -11,7 +11,6 @@ Prints a table with the load average; ``--out PATH`` writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoTokenizer
 
-from benchmarks.common import machine_line
+from benchmarks.common import add_step_options, machine_line, step_clock, step_header, write_json
 from loraplex.engine.kv_cache import BlockManager, KVCache
 from loraplex.engine.logits_processors import ProcessorState
 from loraplex.engine.runner import ModelRunner, StepEntry
@@ -72,16 +71,10 @@ def compile_times(compilers: GrammarCompilers, tokenizer: object, vocab: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--iters", type=int, default=12)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--clock", choices=("wall", "thread"), default="wall")
+    add_step_options(parser, iters=12)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if args.clock == "thread" and args.threads != 1:
-        parser.error("--clock thread needs --threads 1")
-    clock = time.thread_time if args.clock == "thread" else time.perf_counter
-    torch.set_num_threads(args.threads)
+    clock = step_clock(parser, args)
     folder = embedded_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = load_model(folder, None, 4, 16, torch.float32, "cpu")
@@ -142,8 +135,7 @@ def report(args: argparse.Namespace, systems: dict, times: dict, mask_times: dic
            compiled: dict) -> None:
     result = {"batch": args.batch, "iters": args.iters, "threads": args.threads, "clock": args.clock,
               "load_average": os.getloadavg(), "machine": machine_line(), "compile": compiled}
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"# {machine_line()} (load {load}); batch {args.batch}, {args.iters} interleaved steps, {args.clock} clock")
+    print(step_header(args))
     print(f"{'mode':>8} {'k':>3} {'step_ms':>8} {'vs k=0':>7} {'paired':>7} {'mask+accept_ms':>14}")
     for mode in modes:
         free = times[f"{mode}/k=0"]
@@ -158,9 +150,7 @@ def report(args: argparse.Namespace, systems: dict, times: dict, mask_times: dic
     print(f"# grammar compile (SmolLM2 tokenizer, {compiled['schemas']} schemas): first use of the tokenizer "
           f"{compiled['tokenizer_info_ms']:.0f} ms; cold median {compiled['cold_median_ms']:.1f} ms, max "
           f"{compiled['cold_max_ms']:.1f} ms; cached {compiled['cached_median_ms']:.3f} ms")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":
