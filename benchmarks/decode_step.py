@@ -6,7 +6,9 @@ loraplex's oneDNN-packed weights (``loraplex.ops.dense``). Everything else the s
 norms, rotary, KV writes, attention, metadata) is overhead. All are timed interleaved in one run (this
 host drifts 20-50 % between runs). ``--adapters N`` adds the same step with N rank-16 adapters on all
 seven projections (token i reads adapter i % N; ``--sorted``: tokens grouped by slot), its LoRA part
-(``lora_ms`` = that step - the base step) and the LoRA part's byte floor: the adapters' bytes over the
+(``lora_ms`` = that step - the base step, with the LoRA kernels ``auto`` picks here;
+``decode_step_lora_torch_ms`` / ``lora_torch_ms``: the same through the torch LoRA ops, interleaved) and the
+LoRA part's byte floor: the adapters' bytes over the
 read bandwidth of this machine measured in the same run (a sum over 256 MB). ``--clock cpu`` times with
 ``time.process_time`` (steady on a busy host; use it with ``--threads 1``); ``--breakdown`` prints where
 each step's CPU time goes (``benchmarks/step_breakdown.py``). ``decode_step_torch_ops`` is the base step
@@ -33,10 +35,12 @@ from benchmarks.common import matmul_floors
 from benchmarks.step_breakdown import step_breakdown
 from loraplex.engine.kv_cache import BlockManager, KVCache
 from loraplex.engine.runner import ModelRunner, StepEntry
+from loraplex.layers.lora_linear import LoRALinear, use_lora_kernels
 from loraplex.models.base import CausalLM
 from loraplex.models.embedded import embedded_checkpoint
 from loraplex.models.loader import load_model
 from loraplex.ops import cpu_kernels
+from loraplex.ops.lora import resolve_lora_kernels
 from loraplex.ops.lora_batch import BatchMapping, LoRABatch, build_lora_batch
 
 RANK = 16
@@ -77,6 +81,18 @@ def torch_ops(runner: ModelRunner, entries: list[StepEntry]) -> None:
         cpu_kernels.for_tensors = for_tensors
 
 
+def with_lora_kernels(linears: list[LoRALinear], kernels: str, step: callable) -> None:
+    """``step()`` with the layers' LoRA delta on CPU ``kernels`` ("torch" or "sgmv"), then back."""
+    saved = linears[0].lora_kernels
+    for linear in linears:
+        linear.lora_kernels = kernels
+    try:
+        step()
+    finally:
+        for linear in linears:
+            linear.lora_kernels = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=32)
@@ -104,12 +120,18 @@ def main() -> None:
     tokens = torch.randint(0, cfg.vocab_size, (args.batch,)).tolist()
     entries = [StepEntry((tok,), s, t) for tok, s, t in zip(tokens, starts, tables, strict=True)]
     runner = ModelRunner(model, kv, block_size)
+    lora_kernels = resolve_lora_kernels("auto", torch.device("cpu"))
+    use_lora_kernels(model, lora_kernels, 0)
     steps = {"decode_step": lambda: runner.execute(entries, None),
              "decode_step_torch_ops": lambda: torch_ops(runner, entries)}
     if args.adapters:
         adapter_bytes = write_adapters(model, args.adapters)
         mixed = lora_batch(args.batch, args.adapters, args.sorted)
         steps["decode_step_lora"] = lambda: runner.execute(entries, mixed)
+        if lora_kernels != "torch":
+            linears = [m for m in model.modules() if isinstance(m, LoRALinear)]
+            steps["decode_step_lora_torch"] = lambda: with_lora_kernels(
+                linears, "torch", lambda: runner.execute(entries, mixed))
     read_bytes, read_loop = read_bandwidth_loop()
     loops = {**steps, **matmul_floors(model, args.batch), "read_256MB": read_loop}
     times: dict[str, list[float]] = {name: [] for name in loops}
@@ -141,12 +163,17 @@ def main() -> None:
         result.update(adapters=args.adapters, sorted=args.sorted, adapter_mb=adapter_bytes / 1e6,
                       lora_ms=result["decode_step_lora_ms"] - result["decode_step_ms"],
                       lora_byte_floor_ms=args.adapters * adapter_bytes / 1e6 / result["read_gb_s"],
-                      lora_method=mixed.method)
+                      lora_kernels=lora_kernels, lora_method=mixed.method)
         result["mixed_over_base"] = result["decode_step_ms"] / result["decode_step_lora_ms"]
-        print(f"\n{args.adapters} adapters ({'sorted by slot' if args.sorted else 'interleaved'}, method "
-              f"{mixed.method}): step {result['decode_step_lora_ms']:.1f} ms, LoRA part {result['lora_ms']:.1f} ms, "
+        print(f"\n{args.adapters} adapters ({'sorted by slot' if args.sorted else 'interleaved'}, LoRA kernels "
+              f"{lora_kernels}): step {result['decode_step_lora_ms']:.1f} ms, LoRA part {result['lora_ms']:.1f} ms, "
               f"byte floor {result['lora_byte_floor_ms']:.1f} ms ({args.adapters} x {adapter_bytes / 1e6:.1f} MB "
               f"at {result['read_gb_s']:.1f} GB/s), base / mixed step time {result['mixed_over_base']:.3f}")
+        if "decode_step_lora_torch_ms" in result:
+            result["lora_torch_ms"] = result["decode_step_lora_torch_ms"] - result["decode_step_ms"]
+            result["mixed_over_base_torch"] = result["decode_step_ms"] / result["decode_step_lora_torch_ms"]
+            print(f"torch LoRA ops (method {mixed.method}), same run: step {result['decode_step_lora_torch_ms']:.1f} "
+                  f"ms, LoRA part {result['lora_torch_ms']:.1f} ms, base / mixed {result['mixed_over_base_torch']:.3f}")
     for name, parts in breakdowns.items():
         result[f"{name}_breakdown_ms"] = parts
         print(f"\n{name}: CPU ms per step ({args.threads} thread(s))")

@@ -25,6 +25,7 @@ TARGETS: list[tuple[Any, str, str]] = [
     (lora_linear, "dense_linear", "base matmuls"),
     (base, "dense_linear", "base matmuls"),
     (lora_linear, "add_lora", "lora"),
+    (lora_linear, "add_lora_sgmv", "lora"),
     (self_attention, "paged_attention", "attention + KV write"),
     (norms.RMSNorm, "forward", "norms"),
     (self_attention, "apply_rotary", "rotary"),

@@ -15,9 +15,10 @@ from loraplex.errors import ModelError
 # projections declare their own through ``ModelConfig.projections``).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-# How the LoRA delta is computed: "auto" = Triton kernels on CUDA when Triton is installed, torch ops
-# elsewhere; "torch" or "triton" force one (``loraplex.ops.lora.resolve_lora_kernels``).
-LORA_KERNELS = ("auto", "torch", "triton")
+# How the LoRA delta is computed: "auto" = Triton kernels on CUDA when Triton is installed, the C++ sgmv
+# kernel on CPUs with AVX2 where it builds, torch ops elsewhere; "torch", "sgmv" or "triton" force one
+# (``loraplex.ops.lora.resolve_lora_kernels``).
+LORA_KERNELS = ("auto", "torch", "sgmv", "triton")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import torch
 
 from loraplex.config import EngineConfig
 from loraplex.layers.lora_linear import LoRALinear, use_lora_kernels
+from loraplex.ops import lora_sgmv
 from loraplex.ops.lora import resolve_lora_kernels
 from loraplex.ops.lora_batch import BatchMapping, build_lora_batch
 from loraplex.ops.lora_step_buffers import LoRAStepBuffers, StaleLoRAIndices, slot_tables
@@ -115,12 +116,12 @@ def test_use_lora_kernels_shares_one_set_of_buffers() -> None:
     assert first.step_buffers is second.step_buffers and first.step_buffers.max_tokens == 64
     use_lora_kernels(model, "torch", max_tokens=64)
     assert first.step_buffers is None and second.step_buffers is None
-    with pytest.raises(ValueError, match="'torch' or 'triton'"):
+    with pytest.raises(ValueError, match="'torch', 'sgmv' or 'triton'"):
         use_lora_kernels(model, "auto", max_tokens=64)
 
 
 def test_lora_kernels_are_chosen_per_device() -> None:
-    assert resolve_lora_kernels("auto", torch.device("cpu")) == "torch"
+    assert resolve_lora_kernels("auto", torch.device("cpu")) == ("sgmv" if lora_sgmv.kernel() else "torch")
     assert resolve_lora_kernels("auto", torch.device("cuda")) == "triton"  # Triton is in the dev install
     assert resolve_lora_kernels("torch", torch.device("cuda")) == "torch"
     with pytest.raises(ValueError, match="needs Triton's interpreter"):
@@ -136,8 +137,9 @@ import sys
 sys.modules["triton"] = None  # any import of triton now fails
 import torch
 from loraplex import LLM
+from loraplex.ops import lora_sgmv
 from loraplex.ops.lora import resolve_lora_kernels
-assert resolve_lora_kernels("auto", torch.device("cpu")) == "torch"
+assert resolve_lora_kernels("auto", torch.device("cpu")) == ("sgmv" if lora_sgmv.kernel() else "torch")
 assert resolve_lora_kernels("auto", torch.device("cuda")) == "torch"
 try:
     resolve_lora_kernels("triton", torch.device("cuda"))

@@ -10,9 +10,10 @@ row-wise and its B halves block-diagonally, at the adapter's real ranks:
 so that ``x @ lora_a[s, :R_s]^T @ lora_b[s, :, :R_s]^T`` equals the concatenated per-projection
 deltas. A projection the adapter does not target contributes rank 0.
 
-The LoRA delta runs on torch ops (``loraplex.ops.lora``) or, once ``use_lora_kernels(model, "triton",
-...)`` gave the layers shared ``LoRAStepBuffers``, on the Triton kernels (``loraplex.ops.lora_triton``),
-which read the slot ranks and blocks from device tensors kept in step with every slot write.
+The LoRA delta runs on torch ops (``loraplex.ops.lora``); after ``use_lora_kernels(model, "sgmv", ...)``
+on the C++ CPU kernel (``loraplex.ops.lora_sgmv``); after ``use_lora_kernels(model, "triton", ...)`` gave
+the layers shared ``LoRAStepBuffers``, on the Triton kernels (``loraplex.ops.lora_triton``). The kernels
+read the slot ranks and blocks from device tensors kept in step with every slot write.
 
 DoRA: a slot may carry a per-output-feature scale ``g`` folded once per adapter version
 (``g = m / ||W + B A||``); its rows then get ``y = (x W^T + x A^T B^T) * g + b``, stored as
@@ -32,6 +33,7 @@ from loraplex.ops.dense import dense_linear, pack_weight, unpack_weight
 from loraplex.ops.int8 import Int8Weight
 from loraplex.ops.lora import Blocks, LoRACache, add_lora
 from loraplex.ops.lora_batch import SEGMENTS, LoRABatch
+from loraplex.ops.lora_sgmv import add_lora_sgmv
 from loraplex.ops.lora_step_buffers import LoRAStepBuffers
 
 
@@ -74,12 +76,13 @@ class LoRALinear(nn.Module):
                              persistent=False)  # [max_loras, out, R_max]
         self.slot_ranks = [0] * max_loras  # packed rank R_s per slot; 0 = slot empty for this layer
         self.slot_blocks: list[Blocks] = [()] * max_loras  # per slot: B's (out, rank) block per projection
-        # the same two tables on the device, rewritten in place by every slot write (read by the Triton kernels)
+        # the same two tables on the device, rewritten in place by every slot write (read by the kernels)
         self.register_buffer("slot_ranks_dev", torch.zeros(max_loras, dtype=torch.int32, device=device),
                              persistent=False)  # [max_loras]
         self.register_buffer("slot_blocks_dev", torch.zeros(max_loras, len(names), 4, dtype=torch.int32,
                                                             device=device), persistent=False)  # [max_loras, P, 4]
-        self.step_buffers: LoRAStepBuffers | None = None  # set: the Triton kernels compute the delta
+        self.lora_kernels = "torch"  # what computes the delta: "torch", "sgmv" or "triton" (use_lora_kernels)
+        self.step_buffers: LoRAStepBuffers | None = None  # the Triton kernels' index buffers (set for "triton")
         self.lora_cache = LoRACache()  # weight views and per-batch plan; cleared on every slot write
         self.register_buffer("dora_scale", torch.ones(max_loras + 1, total_out, dtype=dtype, device=device),
                              persistent=False)  # [max_loras + 1, sum(out)], row s + 1 = slot s
@@ -183,7 +186,10 @@ class LoRALinear(nn.Module):
             y = dense_linear(x, self.weight, self.packed_weight, self.bias)
         if lora is None or not lora.has_lora:
             return y
-        if self.step_buffers is None:
+        if self.lora_kernels == "sgmv":
+            add_lora_sgmv(y, x, self.lora_a, self.lora_b, self.slot_ranks, self.slot_ranks_dev, self.slot_blocks_dev,
+                          lora, slot_blocks=self.slot_blocks, cache=self.lora_cache)
+        elif self.step_buffers is None:
             add_lora(y, x, self.lora_a, self.lora_b, self.slot_ranks, lora, slot_blocks=self.slot_blocks,
                      cache=self.lora_cache)
         else:
@@ -217,14 +223,15 @@ class LoRALinear(nn.Module):
 
 
 def use_lora_kernels(model: nn.Module, kernels: str, max_tokens: int) -> None:
-    """Make every ``LoRALinear`` of ``model`` compute its delta with ``kernels`` ("torch" or "triton",
+    """Make every ``LoRALinear`` of ``model`` compute its delta with ``kernels`` ("torch", "sgmv" or "triton",
     as ``loraplex.ops.lora.resolve_lora_kernels`` returns them). The Triton layers share one
     ``LoRAStepBuffers`` sized for ``max_tokens`` tokens per step, on the layers' device."""
-    if kernels not in ("torch", "triton"):
-        raise ValueError(f"kernels must be 'torch' or 'triton', got {kernels!r}")
+    if kernels not in ("torch", "sgmv", "triton"):
+        raise ValueError(f"kernels must be 'torch', 'sgmv' or 'triton', got {kernels!r}")
     linears = [m for m in model.modules() if isinstance(m, LoRALinear)]
     buffers = None
     if kernels == "triton" and linears:
         buffers = LoRAStepBuffers(max_tokens, linears[0].lora_a.shape[0], linears[0].lora_a.device)
     for linear in linears:
+        linear.lora_kernels = kernels
         linear.step_buffers = buffers

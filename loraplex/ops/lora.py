@@ -26,8 +26,8 @@ dispatch costs as much as a few token rows of LoRA arithmetic, so op counts matt
   rank in this layer, ``max_g R_{s_g}`` (not ``R_max``): a smaller adapter's extra A rows and B
   columns are zeros, so they add exact zeros too.
 
-On CUDA the same op runs as Triton kernels (``loraplex.ops.lora_triton``); ``resolve_lora_kernels``
-chooses per device.
+On CUDA the same op runs as Triton kernels (``loraplex.ops.lora_triton``), on x86 CPUs as one C++ kernel
+(``loraplex.ops.lora_sgmv``); ``resolve_lora_kernels`` chooses per device.
 """
 
 from __future__ import annotations
@@ -70,14 +70,21 @@ class LoRACache:
 
 
 def resolve_lora_kernels(requested: str, device: torch.device) -> str:
-    """``EngineConfig.lora_kernels`` -> "torch" or "triton". "auto": Triton on CUDA when it is installed,
-    torch elsewhere. "triton" needs Triton and a CUDA device, or Triton's interpreter for CPU tensors
+    """``EngineConfig.lora_kernels`` -> "torch", "sgmv" or "triton". "auto": Triton on CUDA when it is
+    installed, the C++ sgmv kernel on CPUs where it builds (AVX2; measured faster than the torch ops at
+    every decode batch shape, ``benchmarks/lora_layer.py``), torch elsewhere. "sgmv" needs a CPU device
+    and the kernel built; "triton" needs Triton and a CUDA device, or Triton's interpreter for CPU tensors
     (``TRITON_INTERPRET=1`` set before Triton is first imported); otherwise a ValueError says which."""
     if requested not in LORA_KERNELS:
         raise ValueError(f"lora_kernels must be one of {LORA_KERNELS}, got {requested!r}")
     installed = importlib.util.find_spec("triton") is not None
     if requested == "auto":
-        return "triton" if device.type == "cuda" and installed else "torch"
+        if device.type == "cuda" and installed:
+            return "triton"
+        return "sgmv" if device.type == "cpu" and _sgmv_builds() else "torch"
+    if requested == "sgmv" and (device.type != "cpu" or not _sgmv_builds()):
+        why = f"the device is {device.type}" if device.type != "cpu" else "the kernel did not build here (see the log)"
+        raise ValueError(f"lora_kernels='sgmv' runs on CPUs with AVX2 where its C++ kernel builds; {why}")
     if requested == "triton":
         if not installed:
             raise ValueError("lora_kernels='triton' needs the triton package: pip install 'loraplex[gpu]'")
@@ -85,6 +92,12 @@ def resolve_lora_kernels(requested: str, device: torch.device) -> str:
             raise ValueError(f"lora_kernels='triton' on {device.type} needs Triton's interpreter "
                              "(TRITON_INTERPRET=1 set before triton is imported); use a CUDA device")
     return requested
+
+
+def _sgmv_builds() -> bool:
+    from loraplex.ops.lora_sgmv import kernel  # lazy: lora_sgmv runs the ops of this module as its fallback
+
+    return kernel() is not None
 
 
 def _triton_interprets() -> bool:

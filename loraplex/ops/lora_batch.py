@@ -118,6 +118,11 @@ class LoRABatch:
         return torch.tensor(self.group_slots, dtype=torch.int64, device=self.token_slots.device)
 
     @cached_property
+    def offsets_tensor(self) -> torch.Tensor:
+        """``group_offsets`` as an int64 CPU tensor ``[G + 1]`` (read by the CPU LoRA kernel)."""
+        return torch.tensor(self.group_offsets, dtype=torch.int64)
+
+    @cached_property
     def slot_span(self) -> tuple[int, int] | None:
         """``(lo, hi)`` when ``group_slots == range(lo, hi)`` (weights are then a view, not a gather)."""
         if not self.group_slots:

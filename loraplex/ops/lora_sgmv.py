@@ -1,0 +1,61 @@
+"""The batched LoRA delta as one C++ kernel for x86 CPUs with AVX2 (``lora_sgmv.cpp``), float32.
+
+Semantics: those of ``loraplex.ops.lora.add_lora`` (each slot group at its slot's own rank, B block by
+block, rows with slot -1 untouched bit for bit, slots no group reads never read), computed as
+    y[order[o_g:o_{g+1}]] += (x[order[o_g:o_{g+1}]] @ A[s_g, :R]^T) @ B[s_g, :, :R]^T
+in one call per layer: each group's rows are read from x and written to y where they are (no gather,
+scatter or padding), and the slot's A and B are read once for the group (the rows are computed four at
+a time in registers against them). The rank and the blocks come from the layer's int32 slot tables
+(``LoRALinear.slot_ranks_dev`` / ``slot_blocks_dev``, ``[max_loras]`` / ``[max_loras, P, 4]``).
+
+The kernel takes float32 CPU tensors with unit inner strides and B stored rank-major (``LoRALinear``'s
+layout: unit stride over out); for anything else ``add_lora_sgmv`` runs the torch ops. It is built with
+the system compiler by ``torch.utils.cpp_extension`` at first use and cached (``make install`` builds it).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from loraplex.ops.cpp_build import build_cpu_extension
+from loraplex.ops.lora import Blocks, LoRACache, add_lora
+from loraplex.ops.lora_batch import LoRABatch
+
+_SOURCE = Path(__file__).with_name("lora_sgmv.cpp")
+
+
+@functools.cache
+def kernel() -> ModuleType | None:
+    """The compiled module, or None where it cannot be built or run (no AVX2, no compiler; logged once)."""
+    return build_cpu_extension("loraplex_lora_sgmv", "LoRA sgmv kernel", [_SOURCE], ["-O3", "-mavx2", "-mfma"],
+                               "the torch LoRA ops run instead")
+
+
+def takes(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
+    """Whether the kernel computes this call: float32 CPU tensors in the layouts it reads, and it is built."""
+    for t in (y, x, lora_a, lora_b):
+        if t.dtype is not torch.float32 or not t.is_cpu:
+            return False
+    return (y.stride(-1) == 1 and x.stride(-1) == 1 and lora_a.stride(-1) == 1 and lora_b.stride(1) == 1
+            and kernel() is not None)
+
+
+def add_lora_sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                  slot_ranks: Sequence[int], slot_ranks_table: torch.Tensor, slot_blocks_table: torch.Tensor,
+                  batch: LoRABatch, *, slot_blocks: Sequence[Blocks] | None = None,
+                  cache: LoRACache | None = None) -> None:
+    """``y += LoRA(x)`` per slot group (see the module docstring), in place; the torch ops where the kernel
+    does not take the tensors. ``slot_ranks`` / ``slot_blocks`` are the tables' Python forms (for them)."""
+    # x: [T, in]; y: [T, out]; lora_a: [max_loras, R_max, in]; lora_b: [max_loras, out, R_max]
+    if not batch.has_lora:
+        return
+    if not takes(y, x, lora_a, lora_b):
+        add_lora(y, x, lora_a, lora_b, slot_ranks, batch, slot_blocks=slot_blocks, cache=cache)
+        return
+    kernel().sgmv(y, x, lora_a, lora_b, batch.order, batch.slots_tensor, batch.offsets_tensor, slot_ranks_table,
+                  slot_blocks_table)
