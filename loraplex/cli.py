@@ -41,6 +41,13 @@ def nonnegative_int(value: str) -> int:
     return number
 
 
+def seconds(value: str) -> float:
+    number = float(value)
+    if not number >= 0 or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {value!r}")
+    return number
+
+
 def cpu_list(value: str) -> list[int]:
     """``0-3,6`` -> [0, 1, 2, 3, 6]."""
     cpus: list[int] = []
@@ -85,6 +92,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from loraplex.server.draining import DEFAULT_SHUTDOWN_TIMEOUT_S
     from loraplex.server.limits import BYTES_PER_CONTEXT_TOKEN
 
     parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
@@ -103,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-bytes", type=positive_int, default=None, metavar="N",
                        help="larger request bodies get 413 before they are read "
                             f"(default: {BYTES_PER_CONTEXT_TOKEN} bytes per token of context, at least 1 MiB)")
+    serve.add_argument("--max-waiting-requests", type=nonnegative_int, default=None, metavar="N",
+                       help="requests that may wait to start beyond the free --max-num-seqs seats; more get 503 "
+                            "with Retry-After (default: unbounded)")
+    serve.add_argument("--request-timeout", type=seconds, default=None, metavar="SECONDS",
+                       help="stop a generation request running longer: 504, or an error event on a stream "
+                            "(default: no limit)")
+    serve.add_argument("--shutdown-timeout", type=seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
+                       help="on SIGTERM, new requests get 503 and running ones may finish for this long; then "
+                            "they end with an error and the server exits (default: %(default)g; SIGINT twice: at once)")
     serve.add_argument("--engine-cpus", type=cpu_list, default=None, metavar="LIST",
                        help="bind the engine process's OpenMP threads to these cores, e.g. 0-1 or 0,2 "
                             "(default: no binding)")
@@ -131,6 +148,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_loras=args.max_loras,
                             max_cpu_loras=cpu_loras, max_lora_rank=args.max_lora_rank,
                             max_num_seqs=args.max_num_seqs, kv_cache_blocks=args.kv_cache_blocks,
+                            max_waiting_requests=getattr(args, "max_waiting_requests", None),  # serve only
                             num_threads=args.threads, quantization=args.quantization,
                             saved_rows_budget_bytes=args.saved_rows_budget_mib << 20,
                             enable_prefix_caching=not args.no_prefix_caching)
@@ -157,6 +175,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     import uvicorn
 
     from loraplex.server.app import create_app
+    from loraplex.server.draining import DrainingServer
 
     config = engine_config(args, parser)
     client: EngineClient
@@ -177,7 +196,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         app = create_app(client, served_model_name=args.served_model_name,
                          allow_runtime_adapters=args.allow_runtime_adapters, adapter_roots=args.adapter_root,
                          api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                         prepare_processes=args.prepare_workers)
+                         prepare_processes=args.prepare_workers, request_timeout=args.request_timeout or None)
         stats, adapters = asyncio.run(_describe(client))
         info = client.info
         logger.info("model %s (%s) dtype %s on %s; engine %s (pid %d)", info.model_name, info.model_path, info.dtype,
@@ -192,11 +211,13 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         logger.info("serving on http://%s:%d/v1; the playground is at http://%s:%d/", args.host, args.port,
                     args.host, args.port)
         gc.freeze()  # what start-up built (modules, the app, the tokenizer) stays out of later collections
-        # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again for the
-        # handler in place before it: make that a normal exit, so the engine is stopped below.
+        # A signal before or after serving ends the process normally (the engine is stopped below); while
+        # serving, SIGTERM drains (server/draining.py) and serve() returns.
         signal.signal(signal.SIGTERM, _exit_normally)
         signal.signal(signal.SIGINT, _exit_normally)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+        server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower()),
+                                app.state.lifecycle, args.shutdown_timeout)
+        server.run()
     finally:
         client.shutdown()
 

@@ -226,6 +226,9 @@ class EngineConfig:
     max_cpu_loras: int = 16
     max_lora_rank: int = 16
     max_num_seqs: int = 32
+    # Requests queued and not running (beyond the seats free under max_num_seqs); past it a new request
+    # is refused (QueueFull: the server's 503 with Retry-After). None: unbounded.
+    max_waiting_requests: int | None = None
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kv_cache_blocks: int | None = None  # None: derive from kv_cache_bytes
@@ -271,6 +274,8 @@ class EngineConfig:
                              f"got {self.scheduling_policy!r}")
         if self.saved_rows_budget_bytes < 0:
             raise ValueError(f"EngineConfig.saved_rows_budget_bytes must be >= 0, got {self.saved_rows_budget_bytes}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"EngineConfig.max_waiting_requests must be >= 0 or None, got {self.max_waiting_requests}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineConfig.num_threads must be >= 1 or None, got {self.num_threads}")
         if self.max_cpu_loras < self.max_loras:

@@ -85,6 +85,25 @@ class EngineUnavailable(LoraplexError):
     error_type = "service_unavailable"
 
 
+class QueueFull(EngineUnavailable):
+    """The engine's waiting queue is full (``EngineConfig.max_waiting_requests``); the server answers 503
+    with a ``Retry-After`` of ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def __reduce__(self) -> tuple:  # survives pickling across the engine process's socket
+        return type(self), (str(self), self.retry_after)
+
+
+class RequestTimedOut(LoraplexError):
+    """A request ran past the server's ``--request-timeout``; it was aborted in the engine."""
+
+    http_status = 504
+    error_type = "timeout_error"
+
+
 class ModelError(LoraplexError):
     """The base model cannot be found, converted or built (e.g. an unsupported architecture)."""
 

@@ -95,10 +95,12 @@ MODES = ("thread", "process")  # the step loop in a thread of the server's proce
 
 @contextmanager
 def tiny_server(model: Path, adapters: dict[str, Path], startup: tuple[str, ...], in_root: tuple[str, ...],
-                root: Path, mode: str = "thread", **config: object) -> Iterator[Server]:
+                root: Path, mode: str = "thread", app_options: dict | None = None,
+                **config: object) -> Iterator[Server]:
     """A server on ``model`` with ``startup`` adapters loaded, runtime loading on, and copies of the
     ``in_root`` adapters inside the adapter root ``root``. ``mode="process"`` runs the engine in its own
-    process and prepares requests in a worker process, as ``loraplex serve`` does."""
+    process and prepares requests in a worker process, as ``loraplex serve`` does. ``app_options``: more
+    ``create_app`` arguments (``request_timeout``...)."""
     for name in in_root:
         shutil.copytree(adapters[name], root / name)
     engine_config = EngineConfig(model=str(model), **config)
@@ -114,7 +116,7 @@ def tiny_server(model: Path, adapters: dict[str, Path], startup: tuple[str, ...]
         client = AsyncEngine(engine)
     try:
         app = create_app(client, served_model_name=BASE, allow_runtime_adapters=True, adapter_roots=[root],
-                         prepare_processes=1 if mode == "process" else 0)
+                         prepare_processes=1 if mode == "process" else 0, **(app_options or {}))
         with running_server(app) as url:
             yield Server(url, engine, client, root, adapters)
     finally:

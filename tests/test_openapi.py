@@ -44,10 +44,13 @@ def url(model: Path, tmp_path_factory: pytest.TempPathFactory, tiny_llama_adapte
 def test_schema_documents_statuses_and_ranges(url: str) -> None:
     schema = httpx.get(f"{url}/openapi.json").json()
     statuses = {path: {m: set(op["responses"]) for m, op in ops.items()} for path, ops in schema["paths"].items()}
-    assert statuses["/v1/completions"]["post"] == {"200", "400", "401", "404", "409", "413", "503"}
+    assert statuses["/v1/completions"]["post"] == {"200", "400", "401", "404", "409", "413", "503", "504"}
+    for path in ("/v1/completions", "/v1/chat/completions"):  # a full queue's 503 says when to retry
+        assert "Retry-After" in schema["paths"][path]["post"]["responses"]["503"]["headers"]
     assert statuses["/v1/load_lora_adapter"]["post"] == {"200", "400", "401", "403", "404", "409", "413", "503",
                                                          "507"}
-    assert statuses["/tokenize"]["post"] == {"200", "400", "404", "413"}  # outside /v1: no key needed, as vLLM
+    assert statuses["/tokenize"]["post"] == {"200", "400", "404", "413", "503"}  # outside /v1: no key, as vLLM
+    assert all("503" in codes for ops in statuses.values() for codes in ops.values())  # a draining server's
     assert not any("422" in codes for ops in statuses.values() for codes in ops.values())
     props = schema["components"]["schemas"]["CompletionRequest"]["properties"]
     assert (props["temperature"]["minimum"], props["temperature"]["maximum"]) == (0, TEMPERATURE_MAX)

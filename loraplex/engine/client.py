@@ -114,6 +114,13 @@ class RequestStream:
             self.done = True
             self._owner.abort(self.request_id)
 
+    def fail(self, exc: BaseException) -> None:
+        """End the stream with ``exc`` (raised to its consumer after the outputs already delivered) and abort
+        the request in the engine, which frees its KV blocks and adapter pin; on the stream's event loop."""
+        if not self.done:
+            self._owner.abort(self.request_id)
+            self.put(exc)
+
 
 def deliver(items: Iterable[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
     """Hand items to their streams from any thread: ONE ``call_soon_threadsafe`` per event loop, so a

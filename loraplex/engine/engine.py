@@ -22,6 +22,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from loraplex.adapters.info import AdapterInfo
 from loraplex.adapters.manager import AdapterManager
 from loraplex.config import EngineConfig
+from loraplex.engine.admission import WaitingBound
 from loraplex.engine.intake import RequestIntake
 from loraplex.engine.invariants import check_right_kv, check_right_weights, keys_hold_all_kv_inputs
 from loraplex.engine.kv_cache import BlockManager, KVCache
@@ -96,6 +97,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self.grammars = GrammarCompilers(self.model_config.eos_token_ids)  # structured outputs' grammars
         self._compiling = GrammarWaitlist()  # requests waiting for their grammar, outside the scheduler
+        self.waiting_bound = WaitingBound(config, self.scheduler, self._compiling)  # 503 past max_waiting_requests
         self.intake = RequestIntake(self.adapters, self.tokenizer, self.model_config.vocab_size, self.model_name,
                                     self.max_model_len, self.grammars, config.seed)
         self._fingerprint: str | None = None
@@ -186,11 +188,13 @@ class Engine:
                      adapter_version: int | None = None) -> list[str]:
         """Validate every ``(request_id, prompt, params, adapter)``, then queue them all at once, so they
         are admitted together (the choices of an ``n > 1`` request, the prompts of a prompt list); raises
-        before anything is queued. Each request is one choice (fan out with ``params.choices()``). Returns
-        their ids. ``detokenize=False``: token ids only, for a caller that detokenizes (output_processor.py).
+        before anything is queued (``QueueFull`` past ``max_waiting_requests``). Each request is one choice
+        (fan out with ``params.choices()``). Returns their ids. ``detokenize=False``: token ids only, for a
+        caller that detokenizes (output_processor.py).
         ``tenant``, ``priority``: admission order (``fair_share.py``); ``adapter_version`` pins a held version.
         Each request holds its adapter version until it finishes (``intake.py``), even if unloaded meanwhile."""
-        requests = self.intake.make_all(items, detokenize, adapter_version, tenant=tenant, priority=priority)
+        with self.waiting_bound.admitting(len(items)):  # QueueFull before anything is resolved; undone on error
+            requests = self.intake.make_all(items, detokenize, adapter_version, tenant=tenant, priority=priority)
         self._inbox.put(requests)
         return [r.request_id for r in requests]
 
@@ -242,6 +246,7 @@ class Engine:
         while not self._inbox.empty():
             item = self._inbox.get()
             if isinstance(item, list):  # requests submitted together
+                self.waiting_bound.drained(len(item))
                 self._requests.update((request.request_id, request) for request in item)
                 for request in self._compiling.hold(item):
                     self.scheduler.add(request)

@@ -36,6 +36,7 @@ from loraplex.errors import RequestError, UnknownAdapter
 from loraplex.server.access import AdapterPathPolicy, BearerAuthMiddleware
 from loraplex.server.errors import ServerError, install_error_handlers
 from loraplex.server.generation import Generation, run_generation
+from loraplex.server.lifecycle import LifecycleMiddleware, ServerLifecycle
 from loraplex.server.limits import BodyLimitMiddleware, default_max_request_bytes
 from loraplex.server.metric_labels import loaded_check
 from loraplex.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -78,6 +79,7 @@ def create_app(
     api_key: str | None = None,
     max_request_bytes: int | None = None,
     prepare_processes: int = 0,
+    request_timeout: float | None = None,
 ) -> FastAPI:
     """An app serving ``engine``: an ``EngineClient`` (a started ``EngineProcess``, an ``AsyncEngine``),
     an ``Engine`` or an ``LLM`` (both served in-process).
@@ -87,13 +89,15 @@ def create_app(
     ``allow_runtime_adapters``; ``adapter_roots`` then bound the folders it may read.
     ``max_request_bytes`` bounds request bodies (default: ``default_max_request_bytes``, sized for the
     model's context). ``prepare_processes`` > 0 prepares requests in that many worker processes
-    instead of two threads (see ``loraplex.server.prepare``).
+    instead of two threads (see ``loraplex.server.prepare``). ``request_timeout``: seconds a generation
+    request may run before it is stopped (504); ``app.state.lifecycle`` drains the app on shutdown.
     """
     client = _engine_client(engine)
     base_name = served_model_name or client.model_name
     base_aliases = {base_name, client.model_name, str(client.config.model)}
     policy = AdapterPathPolicy(allow_runtime_adapters, adapter_roots)
     metrics = ServerMetrics(loaded_check(client))  # adapter labels: loaded names only
+    lifecycle = ServerLifecycle(request_timeout)
     client.step_observers.append(metrics.observe_step)
     preparer = RequestPreparer(
         PrepareConfig(str(client.model_path) if client.tokenizer is not None else None, client.max_model_len,
@@ -126,6 +130,8 @@ def create_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
+    app.add_middleware(LifecycleMiddleware, lifecycle=lifecycle)  # outermost: a draining server admits nothing
+    app.state.lifecycle = lifecycle
     app.state.engine = client
     app.state.metrics = metrics
     mount_playground(app, client.adapter_snapshot, runtime_adapters=policy.enabled)
@@ -203,7 +209,7 @@ def create_app(
             prompt_param="prompt",
             user=body.user,
         )
-        return await run_generation(client, metrics, gen, request)
+        return await run_generation(client, metrics, gen, request, lifecycle)
 
     @app.post("/v1/chat/completions", response_model=None,
               responses=documented(ChatCompletionResponse, *GENERATION_ERRORS, stream=True))
@@ -224,7 +230,7 @@ def create_app(
             prompt_param="messages",
             user=body.user or body.safety_identifier,
         )
-        return await run_generation(client, metrics, gen, request)
+        return await run_generation(client, metrics, gen, request, lifecycle)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=documented(TokenizeResponse, 400, 404, 413))
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:

@@ -52,7 +52,11 @@ def error_response(status: int, message: str, param: str | None = None,
 
 
 def loraplex_error_response(exc: LoraplexError) -> JSONResponse:
-    return error_response(exc.http_status, str(exc), getattr(exc, "param", None), exc.error_type)
+    """``exc`` 's status and body; an error that says when to come back (``QueueFull``) adds ``Retry-After``."""
+    response = error_response(exc.http_status, str(exc), getattr(exc, "param", None), exc.error_type)
+    if getattr(exc, "retry_after", None) is not None:
+        response.headers["Retry-After"] = str(exc.retry_after)
+    return response
 
 
 def loraplex_error_event(exc: LoraplexError) -> dict:

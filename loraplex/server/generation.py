@@ -22,8 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from loraplex.engine.client import EngineClient, RequestStream
 from loraplex.engine.request import RequestOutput, SamplingParams
-from loraplex.errors import LoraplexError, RequestError, UnknownAdapter
+from loraplex.errors import LoraplexError, QueueFull, RequestError, UnknownAdapter
 from loraplex.server.errors import ServerError, error_body, loraplex_error_event, loraplex_error_response
+from loraplex.server.lifecycle import Guard, ServerLifecycle
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.responses import ResponseBuilder
 
@@ -67,8 +68,9 @@ class _Timing:
         return None if self.first is None or self.last is None else self.last - self.first
 
 
-async def run_generation(engine: EngineClient, metrics: ServerMetrics, gen: Generation,
-                         request: Request) -> Response:
+async def run_generation(engine: EngineClient, metrics: ServerMetrics, gen: Generation, request: Request,
+                         lifecycle: ServerLifecycle) -> Response:
+    """Submit, then answer; the request's streams are guarded by ``lifecycle`` (its timeout, the drain)."""
     timing = _Timing()
     choices = gen.params.choices()
     items = [(f"{gen.builder.id}-{i * len(choices) + j}", prompt, params, gen.adapter)
@@ -84,10 +86,20 @@ async def run_generation(engine: EngineClient, metrics: ServerMetrics, gen: Gene
         if exc.param == "prompt":
             exc.param = gen.prompt_param
         raise
+    except QueueFull:  # 503 with Retry-After
+        metrics.observe_request(gen.adapter, "rejected", None, None, None)
+        raise
+    guard = lifecycle.guard(streams)
     if gen.stream:
-        return StreamingResponse(_events(streams, gen, metrics, timing), media_type="text/event-stream",
+        return StreamingResponse(_events(streams, gen, metrics, timing, guard), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    finals = await _collect_unless_disconnected(streams, request, timing)
+    try:
+        finals = await _collect_unless_disconnected(streams, request, timing)
+    except LoraplexError:  # timed out (504), ended by the shutdown or the engine's end (503)
+        metrics.observe_request(gen.adapter, "error", None, timing.ttft, timing.decode)
+        raise
+    finally:
+        guard.close()
     if finals is None:  # the client left; its requests are aborted
         metrics.observe_request(gen.adapter, "abort", None, None, None)
         return Response(status_code=499)
@@ -161,8 +173,8 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
             task.cancel()
 
 
-async def _events(streams: list[RequestStream], gen: Generation, metrics: ServerMetrics,
-                  timing: _Timing) -> AsyncIterator[str]:
+async def _events(streams: list[RequestStream], gen: Generation, metrics: ServerMetrics, timing: _Timing,
+                  guard: Guard) -> AsyncIterator[str]:
     """OpenAI chunks (each carrying one choice's new text and its tokens' logprobs), then ``data: [DONE]``.
     Cancellation (client gone) aborts every choice."""
     builder, status = gen.builder, "abort"
@@ -216,6 +228,7 @@ async def _events(streams: list[RequestStream], gen: Generation, metrics: Server
         yield _sse(error_body("internal server error", "internal_error", None, 500))
         yield "data: [DONE]\n\n"
     finally:
+        guard.close()
         for stream in streams:
             stream.abort()
         if status != "done":

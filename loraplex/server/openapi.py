@@ -35,10 +35,15 @@ STATUS_TEXT = {
     409: "Adapter name already loaded, or its files changed on disk",
     413: "The request body is larger than the server's limit (--max-request-bytes)",
     507: "The adapter's saved embed_tokens/lm_head rows would pass the saved-rows memory budget",
-    503: "The engine is not running (starting, stopped, or its process died), or a request-preparation "
-         "worker died while preparing this request",
+    503: "The engine is not running (starting, stopped, or its process died), a request-preparation worker "
+         "died while preparing this request, the server is shutting down, or its queue is full "
+         "(--max-waiting-requests: then `Retry-After` says in how many seconds to retry)",
+    504: "The request ran past the server's --request-timeout and was stopped",
 }
-GENERATION_ERRORS = (400, 404, 409, 413, 503)  # what /v1/completions and /v1/chat/completions may answer
+GENERATION_ERRORS = (400, 404, 409, 413, 503, 504)  # what /v1/completions and /v1/chat/completions may answer
+RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying (a 503 of a full queue)",
+                               "schema": {"type": "integer", "minimum": 0}}}
+DRAINING = "The server is shutting down and admits no new request"
 
 
 def documented(ok: type[BaseModel] | None, *errors: int, stream: bool = False,
@@ -46,6 +51,8 @@ def documented(ok: type[BaseModel] | None, *errors: int, stream: bool = False,
     """A route's ``responses=``: its 200 body and its error statuses (OpenAI's error body)."""
     responses: dict[int | str, dict[str, Any]] = {
         status: {"model": ErrorResponse, "description": STATUS_TEXT[status]} for status in errors}
+    if 503 in responses:
+        responses[503]["headers"] = RETRY_AFTER
     content: dict[str, Any] = {}
     if stream:
         content["text/event-stream"] = {"schema": {  # one event (OpenAPI 3.1: the schema describes each event)
@@ -138,6 +145,8 @@ def _complete(schema: dict[str, Any], vocab: int, max_len: int, auth: bool, mode
         for operation in operations.values():
             responses = operation["responses"]
             responses.pop("422", None)
+            responses.setdefault("503", {"description": DRAINING, "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}})
             if auth and path.startswith("/v1"):
                 responses["401"] = {"description": STATUS_TEXT[401], "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
