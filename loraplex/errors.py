@@ -104,6 +104,11 @@ class RequestTimedOut(LoraplexError):
     error_type = "timeout_error"
 
 
+class EngineStepFailed(LoraplexError):
+    """An engine step raised while running this request (a fault in the model's forward pass, NaN logits
+    from a broken slot write...): the requests of that step fail with it; every other request keeps running."""
+
+
 class ModelError(LoraplexError):
     """The base model cannot be found, converted or built (e.g. an unsupported architecture)."""
 

@@ -14,6 +14,7 @@ import pytest
 import loraplex.engine.scheduler as scheduler_module
 from loraplex.engine.engine import Engine
 from loraplex.engine.request import RequestOutput, SamplingParams
+from loraplex.errors import EngineStepFailed
 from loraplex.server.metrics import ServerMetrics
 from tests.test_prefix_cache import PARAMS, make_llm, words
 
@@ -60,8 +61,9 @@ def test_same_step_siblings_share_the_prompt_blocks(tiny_llama: Path, tiny_llama
 
 
 def test_a_failed_step_forgets_its_keys(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The forward pass fails after garbling the cache: nothing it keyed may be matched later; its requests are
-    recomputed and end as if the failure never happened."""
+    """The forward pass fails after garbling the cache: its requests fail (``EngineStepFailed``) with their blocks
+    returned, nothing the step keyed may be matched later, and the same prompt afterwards ends as if the failure
+    never happened."""
     prompt = words(random.Random(5), 18)
     reference = make_llm(tiny_llama, False).generate([prompt], PARAMS, use_tqdm=False)[0].token_ids
     engine = make_llm(tiny_llama, True).engine
@@ -74,14 +76,18 @@ def test_a_failed_step_forgets_its_keys(tiny_llama: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(engine.runner, "execute", failing_execute)
     engine.add_request("a", prompt, PARAMS)
     engine.add_request("b", prompt, PARAMS)  # shares a's blocks keyed in the failing step
-    with pytest.raises(RuntimeError, match="device lost"):
-        engine.step()
+    failed = engine.step()
+    assert [(o.request_id, o.finish_reason, type(o.error)) for o in failed] == [
+        ("a", "error", EngineStepFailed), ("b", "error", EngineStepFailed)]
+    assert "device lost" in str(failed[0].error) and engine.step_failures == 1
     assert engine.allocator.num_cached == 0 and engine.allocator.num_free == engine.allocator.num_total
-    assert [r.num_computed_tokens for r in engine.scheduler.waiting] == [0, 0] and not engine.scheduler.running
+    assert not engine.scheduler.waiting and not engine.scheduler.running
     monkeypatch.setattr(engine.runner, "execute", real_execute)
+    engine.add_request("a2", prompt, PARAMS)
+    engine.add_request("b2", prompt, PARAMS)
     results: dict[str, RequestOutput] = {}
     run_to_end(engine, results)
-    assert results["a"].token_ids == results["b"].token_ids == reference
+    assert results["a2"].token_ids == results["b2"].token_ids == reference
 
 
 def test_metrics_count_hits_per_loaded_adapter(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> None:

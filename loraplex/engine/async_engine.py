@@ -30,7 +30,7 @@ from loraplex.engine.client import EngineClient, EngineHealth, EngineInfo, Reque
 from loraplex.engine.request import RequestOutput, SamplingParams
 from loraplex.engine.step_loop import run_step_loop
 from loraplex.engine.tokenizers import TokenizerTable
-from loraplex.errors import RequestError
+from loraplex.errors import EngineUnavailable, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +50,20 @@ class AsyncEngine(EngineClient):
         self._wakeup = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._died: EngineHealth | None = None  # set when the step thread died of an exception
 
     def health(self) -> EngineHealth:
+        if self._died is not None:
+            return self._died
         if self._thread is not None and self._thread.is_alive():
-            return EngineHealth("ready")
+            return EngineHealth("ready", step_failures=self.engine.step_failures,
+                                last_step_error=self.engine.last_step_error)
         return EngineHealth("stopped", "step loop not running")
 
     def start(self) -> None:
-        """Start the step thread (idempotent)."""
+        """Start the step thread (idempotent); ``EngineUnavailable`` once it died (the engine's state is unknown)."""
+        if self._died is not None:
+            raise EngineUnavailable(f"the engine is dead: {self._died.detail}")
         if self.running:
             return
         self._stopping = False
@@ -85,6 +91,8 @@ class AsyncEngine(EngineClient):
         loop = asyncio.get_running_loop()
         streams = [RequestStream(self, item[0], loop) for item in items]
         with self._lock:
+            if self._died is not None:  # checked under the lock that _fail_all takes: no stream is missed
+                raise EngineUnavailable(f"the engine is dead: {self._died.detail}")
             taken = [s.request_id for s in streams if s.request_id in self._streams]
             if taken or len({s.request_id for s in streams}) < len(streams):
                 raise RequestError(f"request id {(taken or [''])[0]!r} is already in use", "request_id")
@@ -139,7 +147,14 @@ class AsyncEngine(EngineClient):
 
     def _run(self) -> None:
         logger.info("step loop started")
-        run_step_loop(self.engine, self._wakeup, lambda: self._stopping, self._on_step, self._fail_all)
+        try:
+            run_step_loop(self.engine, self._wakeup, lambda: self._stopping, self._on_step, self._fail_all)
+        except BaseException as exc:  # the thread dies: health turns "dead", open requests end with an error
+            logger.critical("the step loop died; failing every open request", exc_info=exc)
+            with self._lock:
+                self._died = EngineHealth("dead", f"the step loop died: {type(exc).__name__}: {exc}")
+            self._fail_all(EngineUnavailable(self._died.detail))
+            return
         logger.info("step loop stopped")
 
     def _on_step(self, seconds: float, outputs: list[RequestOutput]) -> None:

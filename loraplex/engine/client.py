@@ -44,10 +44,13 @@ StepObserver = Callable[[float, list[RequestOutput]], None]  # (step seconds, ou
 
 @dataclass(frozen=True)
 class EngineHealth:
-    """``state``: "starting", "ready", "stopping", "stopped" or "dead" (its step loop or process is gone)."""
+    """``state``: "starting", "ready", "stopping", "stopped" or "dead" (its step loop or process is gone).
+    ``step_failures``: steps that raised so far (each failed only its own requests; ``last_step_error`` says why)."""
 
     state: str
     detail: str = ""
+    step_failures: int = 0
+    last_step_error: str = ""
 
     @property
     def ok(self) -> bool:

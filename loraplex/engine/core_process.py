@@ -124,7 +124,8 @@ class EngineCore:
         logger.info("step loop stopped")
 
     def _send_outputs(self, seconds: float, outputs: list[Any]) -> None:
-        self.send(m.StepOutputs(seconds, [self._compact(out) for out in outputs]))
+        self.send(m.StepOutputs(seconds, [self._compact(out) for out in outputs], self.engine.step_failures,
+                                self.engine.last_step_error))
 
     def _compact(self, out: Any) -> Any:
         sent = self._sent.get(out.request_id)  # None: its first output

@@ -29,13 +29,13 @@ from loraplex.engine.kv_cache import BlockManager, KVCache
 from loraplex.engine.logprobs import add_prompt_logprobs, needs_prompt_rows
 from loraplex.engine.request import Request, RequestOutput, SamplingParams
 from loraplex.engine.runner import ModelRunner, StepEntry
-from loraplex.engine.sampling import sample_rows
-from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.sampling import check_drawn, sample_rows
+from loraplex.engine.scheduler import ScheduledRequest, Scheduler
 from loraplex.engine.stats import EngineStats, collect_stats
 from loraplex.engine.structured.compiler import GrammarCompilers
 from loraplex.engine.structured.waiting import GrammarWaitlist
 from loraplex.engine.tokenizers import TokenizerTable
-from loraplex.errors import LoraplexError
+from loraplex.errors import EngineStepFailed, LoraplexError
 from loraplex.layers.lora_linear import use_lora_kernels
 from loraplex.models.embedded import resolve_model
 from loraplex.models.fingerprint import checkpoint_fingerprint
@@ -101,6 +101,7 @@ class Engine:
         self.intake = RequestIntake(self.adapters, self.tokenizer, self.model_config.vocab_size, self.model_name,
                                     self.max_model_len, self.grammars, config.seed)
         self._fingerprint: str | None = None
+        self.step_failures, self.last_step_error = 0, ""  # steps that raised and failed their requests (_fail_step)
         self._fingerprint_lock = threading.Lock()
         logger.info("model %s (%s, %s on %s): %d layers; %d LoRA slots, host tier %d, max rank %d, %s LoRA "
                     "kernels; KV cache %d blocks x %d tokens (%.1f MiB)", self.model_name,
@@ -205,7 +206,7 @@ class Engine:
         return self.scheduler.has_work() or not self._inbox.empty() or len(self._compiling) > 0
 
     def stats(self) -> EngineStats:
-        return collect_stats(self.config, self.scheduler, self.allocator, self.adapters)
+        return collect_stats(self.config, self.scheduler, self.allocator, self.adapters, self.step_failures)
 
     # ---- the step loop (one thread) ----
     def step(self) -> list[RequestOutput]:
@@ -229,11 +230,15 @@ class Engine:
                 for i in (i for i, e in enumerate(entries) if e.all_logits):
                     add_prompt_logprobs(batch[i].request, batch[i].start,
                                         logits[ends[i] - entries[i].num_logits : ends[i]])
-                tokens = sample_rows(logits, [ends[i] - 1 for i, s in enumerate(batch) if s.draws],
-                                     [s.request for s in batch if s.draws], self.model_config.eos_token_ids)
-        except BaseException:
+                rows = [ends[i] - 1 for i, s in enumerate(batch) if s.draws]
+                tokens = sample_rows(logits, rows, [s.request for s in batch if s.draws],
+                                     self.model_config.eos_token_ids)
+                check_drawn(logits, rows, tokens)
+        except BaseException as exc:
             self.scheduler.undo(batch)  # nothing of this step may be reused or counted
-            raise
+            if isinstance(exc, AssertionError) or not isinstance(exc, Exception):
+                raise  # a debug check caught an engine bug, or the thread is being stopped
+            return outputs + self._fail_step(batch, exc)
         for request in self.scheduler.update(batch, tokens):
             if request.finished:
                 self._requests.pop(request.request_id, None)
@@ -270,6 +275,17 @@ class Engine:
             if error is not None:
                 outputs.append(self._finish(request, "error", error))
         return outputs
+
+    def _fail_step(self, batch: list[ScheduledRequest], exc: Exception) -> list[RequestOutput]:
+        """The step of ``batch`` raised (after ``undo``): its requests fail with ``EngineStepFailed``; their
+        blocks and pins are returned and every other request keeps running. Counted in ``step_failures``."""
+        self.step_failures += 1
+        self.last_step_error = f"{type(exc).__name__}: {exc}"
+        logger.error("engine step failed; failing its %d requests: %s", len(batch), self.last_step_error,
+                     exc_info=exc)
+        error = EngineStepFailed(f"the engine step running this request failed ({self.last_step_error}); "
+                                 "other requests keep running")
+        return [self._finish(s.request, "error", error) for s in batch if not s.request.finished]
 
     def _finish(self, request: Request, reason: str, error: LoraplexError | None = None) -> RequestOutput:
         """End a request outside the step's own bookkeeping (abort, broken adapter)."""

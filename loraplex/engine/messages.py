@@ -88,6 +88,8 @@ class Accepted:
 class StepOutputs:
     seconds: float  # the step's wall time
     outputs: list[RequestOutput]  # compact (see ``compact``)
+    step_failures: int = 0  # the engine's steps that raised so far, and why the last one did
+    last_step_error: str = ""
 
 
 @dataclass(frozen=True)

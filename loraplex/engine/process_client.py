@@ -69,6 +69,7 @@ class EngineProcess(EngineClient):
         self._threads: list[threading.Thread] = []
         self._outputs = OutputProcessor()
         self._info: EngineInfo | None = None
+        self._step_failures: tuple[int, str] = (0, "")  # as the engine's last StepOutputs said
         self.tokenizer = None
         self._tokenizers = TokenizerMirror(None, 0, self._fetch_tokenizers)  # adapter versions' tokenizers
 
@@ -126,7 +127,8 @@ class EngineProcess(EngineClient):
         self._fail_open(EngineUnavailable("the server is shutting down"), EngineHealth("stopped", "shut down"))
 
     def health(self) -> EngineHealth:
-        return self._state
+        state, (failures, why) = self._state, self._step_failures
+        return dataclasses.replace(state, step_failures=failures, last_step_error=why) if state.ok else state
 
     # ---- requests (event loop) ----
     async def submit_many(self, items: Sequence[tuple[str, str | list[int], SamplingParams, str | None]]
@@ -268,6 +270,7 @@ class EngineProcess(EngineClient):
             future.set_exception(error) if error else future.set_result(result)
 
     def _on_step(self, message: m.StepOutputs) -> None:
+        self._step_failures = (message.step_failures, message.last_step_error)
         outputs, stopped = self._outputs.process(message.outputs)
         for request_id in stopped:
             self._outbox.put(m.Abort(request_id))

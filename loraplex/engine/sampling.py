@@ -45,6 +45,15 @@ def sample_rows(logits: torch.Tensor, rows: list[int], requests: list[Request],
     return tokens
 
 
+def check_drawn(logits: torch.Tensor, rows: list[int], tokens: list[int]) -> None:
+    """Raise ``FloatingPointError`` if the logit a row's token was drawn at is NaN. A NaN anywhere in a row's
+    hidden state (a broken adapter slot, a numerical fault) makes its whole logits row NaN, and both argmax
+    and the CDF draw then land on a NaN: such a token is garbage, never handed out. Costs one gather."""
+    if rows and bool(torch.isnan(logits[rows, tokens]).any()):
+        bad = [i for i, (row, token) in enumerate(zip(rows, tokens, strict=True)) if logits[row, token].isnan()]
+        raise FloatingPointError(f"NaN logits in {len(bad)} of the {len(rows)} rows drawn from this step")
+
+
 def sample(logits: torch.Tensor, rows: Sequence[SampledRow], eos_token_ids: Collection[int] = ()) -> list[int]:
     """Pick one token per row; ``logits`` is modified in place (processors).
 

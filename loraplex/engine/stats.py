@@ -43,10 +43,11 @@ class EngineStats:
     prefix_cache_by_adapter: Mapping[str | None, PrefixCounts] = field(default_factory=dict)
     # (running, waiting) requests per loaded adapter name with any in flight (None = the base model).
     requests_by_adapter: Mapping[str | None, tuple[int, int]] = field(default_factory=dict)
+    step_failures: int = 0  # steps that raised: their requests failed, every other request kept running
 
 
 def collect_stats(config: EngineConfig, scheduler: Scheduler, blocks: BlockManager,
-                  adapters: AdapterManager) -> EngineStats:
+                  adapters: AdapterManager, step_failures: int = 0) -> EngineStats:
     """One ``EngineStats`` from the engine's parts. Per-adapter prefix-cache counters are reported under the
     name of each live version (a retired version's counters are gone; a reloaded name starts from zero);
     requests in flight per loaded adapter name (a request of an unloaded name is counted in the totals only)."""
@@ -70,4 +71,5 @@ def collect_stats(config: EngineConfig, scheduler: Scheduler, blocks: BlockManag
         prefix_cache_queried_tokens=blocks.totals.queried_tokens, prefix_cache_hit_tokens=blocks.totals.hit_tokens,
         prefix_cache_blocks=blocks.num_cached, prefix_cache_evictions=blocks.evictions,
         prefix_cache_by_adapter={names[v]: counts for v, counts in by_version.items() if v in names},
-        requests_by_adapter={name: (running, waiting) for name, (running, waiting) in in_flight.items()})
+        requests_by_adapter={name: (running, waiting) for name, (running, waiting) in in_flight.items()},
+        step_failures=step_failures)

@@ -2,8 +2,10 @@
 
 It steps while the engine has work and otherwise sleeps on ``wakeup`` (set by whoever adds, aborts or
 unloads). A step that schedules nothing (e.g. every waiting request's adapter is still being read) backs
-off briefly instead of spinning. A step that raises is a bug in the engine: ``on_failure`` fails what is
-in flight and the loop keeps serving.
+off briefly instead of spinning. A fault in a step's forward pass or sampling fails only that step's
+requests (``Engine.step``); a step that raises anyway (its scheduling or bookkeeping: a bug in the engine)
+goes to ``on_failure``, which fails what is in flight, and the loop keeps serving. An exception that is not
+an ``Exception`` ends the loop: the caller reports the engine dead.
 """
 
 from __future__ import annotations

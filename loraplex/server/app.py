@@ -177,7 +177,8 @@ def create_app(
         state = client.health()
         if not state.ok:
             return JSONResponse({"status": state.state, "detail": state.detail}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        faults = {"step_failures": state.step_failures, "last_step_error": state.last_step_error}
+        return JSONResponse({"status": "ok", **(faults if state.step_failures else {})})
 
     @app.get("/metrics", response_model=None, responses=documented(None, 503, ok_media=CONTENT_TYPE.split(";")[0]))
     async def prometheus() -> Response:
@@ -269,6 +270,7 @@ def create_app(
     async def unload_lora_adapter(body: UnloadAdapterRequest) -> dict:
         policy.check_enabled()
         await client.unload_adapter(body.lora_name)
+        loaded_at.pop(body.lora_name, None)  # bounded by the loaded names
         reset_openapi(app)
         logger.info("unloaded adapter %r", body.lora_name)
         return {"status": "ok", "message": f"adapter {body.lora_name!r} unloaded", "id": body.lora_name}

@@ -45,6 +45,7 @@ _STAT_COUNTERS = {
     "prefix_cache_hit_tokens": ("loraplex_prefix_cache_hit_tokens",
                                 "Tokens of admitted requests whose K/V came from the prefix cache."),
     "prefix_cache_evictions": ("loraplex_prefix_cache_evictions", "Cached KV blocks evicted to make room."),
+    "step_failures": ("loraplex_engine_step_failures", "Engine steps that raised (only their requests failed)."),
 }
 # Per adapter (label values bounded by the loaded adapters): PrefixCounts field -> (metric name, help).
 _PREFIX_BY_ADAPTER = {

@@ -143,6 +143,8 @@ class DetokenizeResponse(BaseModel):
 class Health(BaseModel):
     status: Literal["ok", "error"]
     detail: str | None = None
+    step_failures: int | None = None  # engine steps that raised (each failed only its own requests), if any
+    last_step_error: str | None = None
 
 
 class ErrorDetail(BaseModel):
