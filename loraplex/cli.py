@@ -85,6 +85,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="store the base weights as weight-only int8 (LoRA stays float)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="recompute every prompt instead of reusing cached K/V of a shared prefix")
+    p.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=EngineConfig.SCHEDULING_POLICIES,
+                   help="admission order: fair share per tenant (virtual token counters) or fcfs (%(default)s)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the kernels (default: torch's, one per core; fewer on a busy host)")
     p.add_argument("--log-level", default="INFO", type=str.upper,
@@ -108,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="runtime loads must resolve inside one of these folders (repeatable)")
     serve.add_argument("--api-key", default=os.environ.get("LORAPLEX_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $LORAPLEX_API_KEY)")
+    serve.add_argument("--api-keys", default=None, metavar="FILE",
+                       help="scoped API keys (TOML or YAML): tenant, adapters, admin, limits per key (docs/server.md)")
+    serve.add_argument("--load-on-demand", action="store_true",
+                       help="a request for an adapter that is not loaded loads <adapter-root>/NAME first")
     serve.add_argument("--max-request-bytes", type=positive_int, default=None, metavar="N",
                        help="larger request bodies get 413 before they are read "
                             f"(default: {BYTES_PER_CONTEXT_TOKEN} bytes per token of context, at least 1 MiB)")
@@ -151,7 +157,8 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                             max_waiting_requests=getattr(args, "max_waiting_requests", None),  # serve only
                             num_threads=args.threads, quantization=args.quantization,
                             saved_rows_budget_bytes=args.saved_rows_budget_mib << 20,
-                            enable_prefix_caching=not args.no_prefix_caching)
+                            enable_prefix_caching=not args.no_prefix_caching,
+                            scheduling_policy=args.scheduling_policy)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
@@ -176,8 +183,17 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
     from loraplex.server.app import create_app
     from loraplex.server.draining import DrainingServer
+    from loraplex.server.keys import KeyTable
 
     config = engine_config(args, parser)
+    if args.api_keys and args.api_key:
+        parser.error("--api-key and --api-keys are exclusive (the keys file can hold a key of every scope)")
+    if args.load_on_demand and not args.adapter_root:
+        parser.error("--load-on-demand needs --adapter-root DIR (the folders adapters are loaded from)")
+    try:
+        keys = KeyTable.load(args.api_keys) if args.api_keys else None
+    except (OSError, ValueError) as exc:
+        parser.error(f"--api-keys: {exc}")
     client: EngineClient
     if args.in_process_engine:
         from loraplex.engine.async_engine import AsyncEngine
@@ -195,7 +211,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
         app = create_app(client, served_model_name=args.served_model_name,
                          allow_runtime_adapters=args.allow_runtime_adapters, adapter_roots=args.adapter_root,
-                         api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                         api_key=args.api_key, api_keys=keys, load_on_demand=args.load_on_demand,
+                         max_request_bytes=args.max_request_bytes,
                          prepare_processes=args.prepare_workers, request_timeout=args.request_timeout or None)
         stats, adapters = asyncio.run(_describe(client))
         info = client.info
@@ -207,7 +224,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         logger.info("adapters: %s", ", ".join(f"{i.name}={i.path}" for i in adapters) or "none")
         logger.info("runtime adapter loading %s%s; auth %s", "on" if args.allow_runtime_adapters else "off",
                     f" (roots: {', '.join(args.adapter_root)})" if args.adapter_root else "",
-                    "on" if args.api_key else "off")
+                    f"on ({len(keys.keys)} scoped keys)" if keys else "on" if args.api_key else "off")
         logger.info("serving on http://%s:%d/v1; the playground is at http://%s:%d/", args.host, args.port,
                     args.host, args.port)
         gc.freeze()  # what start-up built (modules, the app, the tokenizer) stays out of later collections

@@ -100,7 +100,7 @@ def tiny_server(model: Path, adapters: dict[str, Path], startup: tuple[str, ...]
     """A server on ``model`` with ``startup`` adapters loaded, runtime loading on, and copies of the
     ``in_root`` adapters inside the adapter root ``root``. ``mode="process"`` runs the engine in its own
     process and prepares requests in a worker process, as ``loraplex serve`` does. ``app_options``: more
-    ``create_app`` arguments (``request_timeout``...)."""
+    ``create_app`` arguments (``request_timeout``, API keys, load on demand...)."""
     for name in in_root:
         shutil.copytree(adapters[name], root / name)
     engine_config = EngineConfig(model=str(model), **config)

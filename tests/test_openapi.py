@@ -44,7 +44,7 @@ def url(model: Path, tmp_path_factory: pytest.TempPathFactory, tiny_llama_adapte
 def test_schema_documents_statuses_and_ranges(url: str) -> None:
     schema = httpx.get(f"{url}/openapi.json").json()
     statuses = {path: {m: set(op["responses"]) for m, op in ops.items()} for path, ops in schema["paths"].items()}
-    assert statuses["/v1/completions"]["post"] == {"200", "400", "401", "404", "409", "413", "503", "504"}
+    assert statuses["/v1/completions"]["post"] == {"200", "400", "401", "404", "409", "413", "429", "503", "504"}
     for path in ("/v1/completions", "/v1/chat/completions"):  # a full queue's 503 says when to retry
         assert "Retry-After" in schema["paths"][path]["post"]["responses"]["503"]["headers"]
     assert statuses["/v1/load_lora_adapter"]["post"] == {"200", "400", "401", "403", "404", "409", "413", "503",

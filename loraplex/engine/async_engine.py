@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from loraplex.engine.client import EngineClient, EngineHealth, EngineInfo, RequestStream, deliver, route_outputs
-from loraplex.engine.request import RequestOutput, SamplingParams
+from loraplex.engine.request import NO_TAGS, RequestOutput, RequestTags, SamplingParams
 from loraplex.engine.step_loop import run_step_loop
 from loraplex.engine.tokenizers import TokenizerTable
 from loraplex.errors import EngineUnavailable, RequestError
@@ -83,7 +83,7 @@ class AsyncEngine(EngineClient):
             self._thread = None
 
     async def submit_many(
-        self, items: Sequence[tuple[str, str | list[int], SamplingParams, str | None]]
+        self, items: Sequence[tuple[str, str | list[int], SamplingParams, str | None]], tags: RequestTags = NO_TAGS
     ) -> list[RequestStream]:
         """Queue ``(request_id, prompt, params, adapter)`` requests in one engine call (admitted together:
         the choices and prompts of one API request); raises before any is queued."""
@@ -98,7 +98,7 @@ class AsyncEngine(EngineClient):
                 raise RequestError(f"request id {(taken or [''])[0]!r} is already in use", "request_id")
             self._streams.update((s.request_id, s) for s in streams)
         try:
-            self.engine.add_requests(items)
+            self.engine.add_requests(items, **tags.kwargs())
         except BaseException:
             for stream in streams:
                 self._forget(stream.request_id)
@@ -112,9 +112,12 @@ class AsyncEngine(EngineClient):
         self.engine.abort_request(request_id)
         self._wakeup.set()
 
-    async def load_adapter(self, name: str, path: str) -> Any:
+    async def load_adapter(self, name: str, path: str, new_version: bool = False) -> Any:
         """``engine.load_adapter`` in a worker thread; returns its ``AdapterInfo``."""
-        return await asyncio.to_thread(self.engine.load_adapter, name, path)
+        return await asyncio.to_thread(self.engine.load_adapter, name, path, new_version)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        return await asyncio.to_thread(getattr(self.engine, method), *args)
 
     async def unload_adapter(self, name: str) -> None:
         await asyncio.to_thread(self.engine.unload_adapter, name)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loraplex.engine.request import RequestOutput, SamplingParams
+from loraplex.engine.request import NO_TAGS, RequestOutput, RequestTags, SamplingParams
 from loraplex.engine.tokenizers import TokenizerTable
 
 if TYPE_CHECKING:
@@ -198,25 +198,27 @@ class EngineClient(abc.ABC):
         return self.health().ok
 
     @abc.abstractmethod
-    async def submit_many(self, items: Sequence[tuple[str, str | list[int], SamplingParams, str | None]]
-                          ) -> list[RequestStream]:
+    async def submit_many(self, items: Sequence[tuple[str, str | list[int], SamplingParams, str | None]],
+                          tags: RequestTags = NO_TAGS) -> list[RequestStream]:
         """Queue ``(request_id, prompt, params, adapter)`` requests in one engine call, so they are admitted
-        together (the choices and prompts of one API request; each is one choice, ``params.n == 1``).
+        together (the choices and prompts of one API request; each is one choice, ``params.n == 1``),
+        all with ``tags`` (tenant, priority, pinned adapter version: ``Engine.add_requests``).
         Raises before anything is queued when the engine refuses any: ``UnknownAdapter``, ``RequestError``
         (its ``param`` names the field), ``EngineUnavailable``."""
 
     async def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     adapter: str | None = None) -> RequestStream:
+                     adapter: str | None = None, tags: RequestTags = NO_TAGS) -> RequestStream:
         """Queue one request (``submit_many`` of one)."""
-        return (await self.submit_many([(request_id, prompt, params, adapter)]))[0]
+        return (await self.submit_many([(request_id, prompt, params, adapter)], tags))[0]
 
     @abc.abstractmethod
     def abort(self, request_id: str) -> None:
         """Stop delivering outputs and abort the request in the engine (a no-op once it finished)."""
 
     @abc.abstractmethod
-    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
-        """Validate and register a PEFT folder; raises ``AdapterError`` subclasses."""
+    async def load_adapter(self, name: str, path: str, new_version: bool = False) -> AdapterInfo:
+        """Validate and register a PEFT folder; raises ``AdapterError`` subclasses. ``new_version``: a loaded
+        ``name`` moves to the new version at once (its requests in flight finish on theirs)."""
 
     @abc.abstractmethod
     async def unload_adapter(self, name: str) -> None: ...
@@ -230,6 +232,42 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     async def adapter_snapshot(self) -> dict[str, Any]:
         """``Engine.adapter_snapshot()``: the adapter tiers at one instant, JSON-serialisable."""
+
+    # ---- adapter versions (adapters/versions.py), through ``_call`` ----
+    @abc.abstractmethod
+    async def _call(self, method: str, *args: Any) -> Any:
+        """``engine.<method>(*args)`` off the event loop (a worker thread, or the engine process)."""
+
+    async def _live_versions_changed(self) -> None:
+        """A name's live version moved (rollback, split): refresh what mirrors it here (nothing, in-process)."""
+        return None
+
+    async def route_adapter(self, name: str) -> AdapterInfo:
+        """The version ``name``'s next request runs on (the split's pick or the current one; counted as
+        served): submit that request with ``RequestTags(adapter_version=...)``. ``UnknownAdapter`` if none."""
+        return await self._call("route_adapter", name)
+
+    async def rollback_adapter(self, name: str) -> AdapterInfo:
+        """Move ``name`` back to its previous held version (``AdapterVersionConflict`` if none); returns it."""
+        info = await self._call("rollback_adapter", name)
+        await self._live_versions_changed()
+        return info
+
+    async def split_adapter(self, name: str, weights: dict[int, float]) -> None:
+        """Route ``name``'s new requests among its held versions by ``weights`` (version id -> share)."""
+        await self._call("split_adapter", name, weights)
+        await self._live_versions_changed()
+
+    async def adapter_versions(self) -> list[dict[str, Any]]:
+        """``VersionTable.listing()``: every name with its current version, split and held versions."""
+        return await self._call("adapter_versions")
+
+    async def base_fingerprint(self) -> str:
+        """The base checkpoint's fingerprint (``models/fingerprint.py``; computed once, then cached here)."""
+        cached = getattr(self, "_base_fingerprint", None)
+        if cached is None:
+            cached = self._base_fingerprint = await self._call("base_fingerprint")
+        return cached
 
     # ---- what the API side needs to tokenize and detokenize (any thread; never reads files) ----
     @abc.abstractmethod

@@ -93,7 +93,7 @@ class EngineCore:
             try:
                 with self._live_lock:
                     self._live.update(ids)
-                self.engine.add_requests(message.requests, detokenize=False)
+                self.engine.add_requests(message.requests, detokenize=False, **message.tags.kwargs())
                 error = None
             except Exception as exc:  # refused: nothing was queued
                 with self._live_lock:

@@ -24,12 +24,13 @@ from typing import Any
 from loraplex.adapters.info import AdapterInfo
 from loraplex.config import EngineConfig
 from loraplex.engine.client import EngineInfo
-from loraplex.engine.request import RequestOutput, SamplingParams
+from loraplex.engine.request import NO_TAGS, RequestOutput, RequestTags, SamplingParams
 from loraplex.errors import LoraplexError
 
 # Engine methods the API process may call (``Call.method``); anything else is refused.
 CALLABLE = frozenset({"load_adapter", "unload_adapter", "list_adapters", "stats", "adapter_snapshot",
-                      "tokenizer_table"})
+                      "tokenizer_table", "route_adapter", "rollback_adapter", "split_adapter", "adapter_versions",
+                      "base_fingerprint"})
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class AddRequests:
     """Requests admitted together (the choices and prompts of one API request), or none of them."""
 
     requests: list[tuple[str, list[int], SamplingParams, str | None]]  # (id, prompt token ids, params, adapter)
+    tags: RequestTags = NO_TAGS  # tenant, priority, pinned adapter version: the same for all
 
     @property
     def key(self) -> str:

@@ -38,7 +38,7 @@ from loraplex.engine import messages as m
 from loraplex.engine.client import EngineClient, EngineHealth, EngineInfo, RequestStream, deliver, route_outputs
 from loraplex.engine.core_launch import exit_status, launch, terminate
 from loraplex.engine.output_processor import OutputProcessor
-from loraplex.engine.request import SamplingParams
+from loraplex.engine.request import NO_TAGS, RequestTags, SamplingParams
 from loraplex.engine.tokenizers import TokenizerMirror, TokenizerTable
 from loraplex.errors import EngineUnavailable, RequestError
 
@@ -131,8 +131,8 @@ class EngineProcess(EngineClient):
         return dataclasses.replace(state, step_failures=failures, last_step_error=why) if state.ok else state
 
     # ---- requests (event loop) ----
-    async def submit_many(self, items: Sequence[tuple[str, str | list[int], SamplingParams, str | None]]
-                          ) -> list[RequestStream]:
+    async def submit_many(self, items: Sequence[tuple[str, str | list[int], SamplingParams, str | None]],
+                          tags: RequestTags = NO_TAGS) -> list[RequestStream]:
         loop = asyncio.get_running_loop()
         requests, streams = [], []
         for request_id, prompt, params, adapter in items:
@@ -150,8 +150,8 @@ class EngineProcess(EngineClient):
             self._pending[streams[0].request_id] = accepted
         for request_id, token_ids, params, _, tokenizer in requests:
             self._outputs.add(request_id, token_ids, params, tokenizer)
-        self._outbox.put(m.AddRequests([(request_id, token_ids, dataclasses.replace(params, stop=()), adapter)
-                                        for request_id, token_ids, params, adapter, _ in requests]))  # stops: ours
+        self._outbox.put(m.AddRequests([(request_id, token_ids, dataclasses.replace(params, stop=()), adapter)  # stops:
+                                        for request_id, token_ids, params, adapter, _ in requests], tags))  # ours
         try:
             error = await asyncio.wrap_future(accepted)
         except BaseException:  # cancelled while waiting, or the engine died
@@ -199,16 +199,19 @@ class EngineProcess(EngineClient):
         self._outbox.put(m.Call(call_id, method, args))
         return future
 
-    async def load_adapter(self, name: str, path: str) -> Any:
+    async def load_adapter(self, name: str, path: str, new_version: bool = False) -> Any:
         """Load in the engine process, then read the version's own tokenizer here (if it ships one); if
-        that fails, the version is unloaded again and the error raised."""
-        info = await self._call("load_adapter", name, path)
+        that fails, the version is unloaded again (a new version: rolled back) and the error raised."""
+        info = await self._call("load_adapter", name, path, new_version)
         try:
-            await asyncio.to_thread(self._tokenizers.refresh)
+            await self._live_versions_changed()
         except Exception:
-            await self._call("unload_adapter", name)
+            await self._call("rollback_adapter" if new_version else "unload_adapter", name)
             raise
         return info
+
+    async def _live_versions_changed(self) -> None:
+        await asyncio.to_thread(self._tokenizers.refresh)
 
     async def unload_adapter(self, name: str) -> None:
         await self._call("unload_adapter", name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from loraplex.engine.logits_processors import ProcessorState
     from loraplex.engine.structured.masks import GrammarState
 
-__all__ = ["Request", "RequestOutput", "RequestStatus", "SamplingParams", "TokenLogprob", "check_context_length"]
+__all__ = ["NO_TAGS", "Request", "RequestOutput", "RequestStatus", "RequestTags", "SamplingParams", "TokenLogprob",
+           "check_context_length"]
 
 
 @dataclass
@@ -42,6 +43,23 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     index: int = 0  # which choice of its prompt this is
     outputs: list[RequestOutput] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RequestTags:
+    """How the engine orders and routes a submitted request (``Engine.add_requests``): ``tenant`` (fair share),
+    ``priority`` (vLLM's: lower first within its tenant), ``adapter_version`` (a held version of its adapter,
+    from ``EngineClient.route_adapter``; None: the engine routes)."""
+
+    tenant: str | None = None
+    priority: int = 0
+    adapter_version: int | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"tenant": self.tenant, "priority": self.priority, "adapter_version": self.adapter_version}
+
+
+NO_TAGS = RequestTags()
 
 
 class RequestStatus(enum.Enum):

@@ -24,6 +24,7 @@ from loraplex.integrations.asgi_bridge import ForwardedRequest, ResponseStart
 from loraplex.integrations.ray_config import RayServeConfig
 from loraplex.server.access import BearerAuthMiddleware
 from loraplex.server.errors import error_body, error_response
+from loraplex.server.keys import KeyTable
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class Ingress:
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="loraplex on Ray Serve", docs_url=None, redoc_url=None, openapi_url=None)
         if self.config.api_key:
-            app.add_middleware(BearerAuthMiddleware, api_key=self.config.api_key)
+            app.add_middleware(BearerAuthMiddleware, keys=KeyTable.single(self.config.api_key))
 
         @app.post("/v1/load_lora_adapter")
         @app.post("/v1/unload_lora_adapter")

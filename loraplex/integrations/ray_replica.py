@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import torch
 from fastapi.responses import JSONResponse, Response
@@ -22,12 +21,12 @@ from ray import serve
 from starlette.types import ASGIApp
 
 from loraplex.engine.engine import Engine
-from loraplex.errors import AdapterAlreadyLoaded, AdapterNotFound, LoraplexError
+from loraplex.errors import AdapterNotFound, LoraplexError
 from loraplex.integrations.asgi_bridge import ForwardedRequest, Header, ResponseStart, call_asgi
 from loraplex.integrations.ray_config import AFFINITY_HEADER, REPLICA_HEADER, RayServeConfig
-from loraplex.server.access import AdapterPathPolicy
 from loraplex.server.app import create_app
 from loraplex.server.errors import ServerError, error_response, loraplex_error_response
+from loraplex.server.on_demand import AdapterRoots, OnDemandLoader
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +57,12 @@ class EngineReplica:
         for name, path in config.adapters:
             self.engine.load_adapter(name, path)
         self.startup = frozenset(name for name, _ in config.adapters)
-        self.roots = tuple(Path(r).expanduser().resolve() for r in config.adapter_roots)
-        self.policy = AdapterPathPolicy(True, self.roots)
+        self.roots = AdapterRoots(config.adapter_roots)  # the single server's --load-on-demand code
         # Auth is checked once, at the ingress; runtime loads are replaced by lazy loading.
         self.app = create_app(self.engine, served_model_name=config.served_model_name, api_key="")
         self.async_engine = self.app.state.engine
         self.async_engine.start()
+        self.loader = OnDemandLoader(self.async_engine, self.roots)
         self.held: set[str] = set()  # adapters in this replica's Serve multiplexing set
 
         async def hold(name: str) -> _Held:
@@ -71,7 +70,7 @@ class EngineReplica:
 
         self._hold = serve.multiplexed(max_num_models_per_replica=config.max_adapters_per_replica)(hold)
         logger.info("replica %s ready: %s, %d startup adapter(s), roots %s", self.replica_id,
-                    self.engine.model_name, len(self.startup), [str(r) for r in self.roots])
+                    self.engine.model_name, len(self.startup), [str(r) for r in self.roots.roots])
 
     def __del__(self) -> None:
         self.async_engine.shutdown()
@@ -84,28 +83,10 @@ class EngineReplica:
     def registered(self, name: str) -> bool:
         return any(info.name == name for info in self.engine.list_adapters())
 
-    def find_in_roots(self, name: str) -> Path | None:
-        """``<root>/name`` in the first root holding an adapter of that name; ``ServerError(403)``
-        if it resolves outside its root (a symlink); None if no root has it or the name is a path."""
-        if not name or name.startswith(".") or "/" in name or "\\" in name:
-            return None
-        for root in self.roots:
-            folder = root / name
-            if (folder / "adapter_config.json").is_file():
-                return self.policy.check(str(folder))
-        return None
-
     async def _register(self, name: str) -> _Held:
         """The multiplexed loader: register ``name`` in the engine unless it already is."""
-        if not self.registered(name):
-            folder = self.find_in_roots(name)
-            if folder is None:
-                raise AdapterNotFound(f"adapter {name!r} is no longer in the adapter roots")
-            try:
-                await self.async_engine.load_adapter(name, str(folder))
-                logger.info("replica %s loaded adapter %r from %s", self.replica_id, name, folder)
-            except AdapterAlreadyLoaded:  # a concurrent path registered it first
-                pass
+        if not self.registered(name) and not await self.loader.ensure(name):
+            raise AdapterNotFound(f"adapter {name!r} is no longer in the adapter roots")
         return _Held(self.held, name)
 
     async def _prepare(self, name: str) -> tuple[ASGIApp | None, Header | None]:
@@ -113,7 +94,7 @@ class EngineReplica:
         of running the request, or None; the affinity header, or None for unknown names)."""
         hit = name in self.held
         try:
-            if not (self.registered(name) or self.find_in_roots(name)):
+            if not (self.registered(name) or self.roots.find(name)):
                 return None, None  # the app answers 404, naming the model
             await self._hold(name)
         except LoraplexError as exc:
@@ -131,7 +112,7 @@ class EngineReplica:
             error, affinity = await self._prepare(name)
             app = error or app
             headers += [affinity] if affinity else []
-        elif request.method == "GET" and request.path == "/v1/models" and self.roots:
+        elif request.method == "GET" and request.path == "/v1/models" and self.roots.roots:
             app = await self._models_response(request)
         async for item in call_asgi(app, request, headers):
             yield item
@@ -146,23 +127,7 @@ class EngineReplica:
             return Response(content, start.status, media_type=start.header("content-type"))
         base, *adapters = json.loads(content)["data"]
         cards = [base] + [card for card in adapters if card["id"] in self.startup]
-        for name, folder in self.root_adapters():
+        for name, folder in self.roots.adapters(skip=self.startup):
             cards.append({"id": name, "object": "model", "created": int(folder.stat().st_mtime),
                           "owned_by": "loraplex", "root": str(folder), "parent": base["id"]})
         return JSONResponse({"object": "list", "data": cards})
-
-    def root_adapters(self) -> list[tuple[str, Path]]:
-        """(name, folder) of every servable adapter folder in the roots, by name; a start-up adapter
-        or an earlier root shadows a later one of the same name."""
-        found: dict[str, Path] = {}
-        for root in self.roots:
-            for entry in sorted(root.iterdir()):
-                if entry.name in self.startup or entry.name in found:
-                    continue
-                try:
-                    folder = self.find_in_roots(entry.name)
-                except ServerError:  # a symlink out of its root: not servable, not listed
-                    continue
-                if folder is not None:
-                    found[entry.name] = folder
-        return sorted(found.items())

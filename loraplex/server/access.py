@@ -1,7 +1,10 @@
 """Access control: who may call the API, and which adapter folders it may load at run time.
 
-- ``BearerAuthMiddleware``: with an API key set, every ``/v1/*`` call needs
-  ``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open. A plain ASGI
+- ``BearerAuthMiddleware``: with API keys set (``server/keys.py``), every ``/v1/*`` call needs
+  ``Authorization: Bearer KEY`` of a configured key (401 otherwise); ``/health`` and ``/metrics`` stay
+  open. The key found is put in the request's scope (``caller(request)`` reads it); with scoped keys, a
+  call outside ``/v1`` (``/tokenize``, ``/detokenize``: no key needed, as vLLM) gets the scope of its key
+  if it sends one, else the base model's only (``ANONYMOUS``), so no path leaks adapter names. A plain ASGI
   middleware (not ``BaseHTTPMiddleware``) so streamed responses and client disconnects pass through.
 - ``AdapterPathPolicy``: runtime loading is off unless enabled. With adapter roots set, a path is
   accepted only if it resolves (``..`` collapsed, every symlink followed) inside one of them, so
@@ -12,34 +15,48 @@
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
 from starlette.datastructures import Headers
+from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loraplex.server.errors import ServerError, error_response
+from loraplex.server.keys import ANONYMOUS, OPEN_ACCESS, ApiKey, KeyTable
 
 logger = logging.getLogger(__name__)
 
+_SCOPE_KEY = "loraplex.api_key"
+
+
+def caller(request: HTTPConnection) -> ApiKey:
+    """The key a request authenticated with; ``OPEN_ACCESS`` when the server has no keys."""
+    return request.scope.get(_SCOPE_KEY, OPEN_ACCESS)
+
 
 class BearerAuthMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, keys: KeyTable) -> None:
         self.app = app
-        self._key = api_key.encode()
+        self._keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self.authorized(scope):
-            response = error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
-            response.headers["WWW-Authenticate"] = "Bearer"
-            await response(scope, receive, send)
-            return
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            key = self.authorized(scope)
+            if key is None:
+                response = error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
+                response.headers["WWW-Authenticate"] = "Bearer"
+                await response(scope, receive, send)
+                return
+            scope[_SCOPE_KEY] = key
+        elif scope["type"] == "http" and self._keys.scoped:
+            scope[_SCOPE_KEY] = self.authorized(scope) or ANONYMOUS
         await self.app(scope, receive, send)
 
-    def authorized(self, scope: Scope) -> bool:
+    def authorized(self, scope: Scope) -> ApiKey | None:
         scheme, _, token = Headers(scope=scope).get("authorization", "").strip().partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self._key)
+        key = self._keys.lookup(token.strip())
+        return key if scheme.lower() == "bearer" else None
 
 
 class AdapterPathPolicy:

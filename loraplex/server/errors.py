@@ -28,6 +28,7 @@ _TYPE_BY_STATUS = {
     409: "conflict_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
+    429: "rate_limit_error",
 }
 
 
@@ -39,10 +40,12 @@ def error_body(message: str, error_type: str, param: str | None = None, code: in
 class ServerError(Exception):
     """An error raised by the HTTP layer itself (auth, path policy), with its status and param."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.param = param
+        self.headers = headers or {}  # e.g. a 429's Retry-After
 
 
 def error_response(status: int, message: str, param: str | None = None,
@@ -89,7 +92,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ServerError)
     async def _server(_: Request, exc: ServerError) -> JSONResponse:
-        return error_response(exc.status, str(exc), exc.param)
+        response = error_response(exc.status, str(exc), exc.param)
+        response.headers.update(exc.headers)
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -6,6 +6,11 @@ first byte (unknown model, invalid field, prompt too long) is raised before the 
 it gets its real status code. An error after that (a streamed request whose adapter failed to load)
 is sent as a final ``data: {"error": ...}`` event. A client that disconnects, streamed or not,
 aborts its requests in the engine.
+
+Before submitting, the adapter version that will answer is routed (``EngineClient.route_adapter``: a
+split's pick or the name's current version) and every choice is pinned to it; the response names it:
+``system_fingerprint`` (in every streamed chunk too) is its content hash (the base model: the
+checkpoint's fingerprint) and the ``x-loraplex-adapter-version`` header its id (``v<id>``, or ``base``).
 """
 
 from __future__ import annotations
@@ -14,14 +19,14 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from loraplex.engine.client import EngineClient, RequestStream
-from loraplex.engine.request import RequestOutput, SamplingParams
+from loraplex.engine.request import NO_TAGS, RequestOutput, RequestTags, SamplingParams
 from loraplex.errors import LoraplexError, QueueFull, RequestError, UnknownAdapter
 from loraplex.server.errors import ServerError, error_body, loraplex_error_event, loraplex_error_response
 from loraplex.server.lifecycle import Guard, ServerLifecycle
@@ -29,6 +34,9 @@ from loraplex.server.metrics import ServerMetrics
 from loraplex.server.responses import ResponseBuilder
 
 logger = logging.getLogger(__name__)
+
+VERSION_HEADER = "x-loraplex-adapter-version"
+BASE_VERSION = "base"  # the header's value for the base model
 
 
 @dataclass
@@ -43,6 +51,11 @@ class Generation:
     include_usage: bool
     prompt_param: str  # the field a too-long prompt is blamed on: "prompt" or "messages"
     user: str | None = None  # the client's end-user id, kept for metrics and tenancy
+    tags: RequestTags = NO_TAGS  # the caller's tenant and the request's priority (the version is routed here)
+    on_end: Callable[[int], None] = lambda generated_tokens: None  # called once, when the request ends
+
+    def observe(self, metrics: ServerMetrics, status: str, out: RequestOutput | None, timing: _Timing) -> None:
+        metrics.observe_request(self.adapter, status, out, timing.ttft, timing.decode, tenant=self.tags.tenant)
 
 
 class _Timing:
@@ -68,6 +81,23 @@ class _Timing:
         return None if self.first is None or self.last is None else self.last - self.first
 
 
+def model_not_found(model: str) -> ServerError:
+    """The 404 of a model that is neither the base model nor a loaded adapter the caller may use (one body
+    for both cases: adapter names do not leak)."""
+    return ServerError(404, f"model {model!r} not found: it is neither the base model nor a loaded adapter "
+                       "(see GET /v1/models)", "model")
+
+
+async def _route(engine: EngineClient, gen: Generation) -> tuple[RequestTags, str]:
+    """The tags pinning the answering version, and the version header; sets the builder's fingerprint."""
+    if gen.adapter is None:
+        gen.builder.system_fingerprint = await engine.base_fingerprint()
+        return gen.tags, BASE_VERSION
+    info = await engine.route_adapter(gen.adapter)
+    gen.builder.system_fingerprint = info.content_hash
+    return replace(gen.tags, adapter_version=info.adapter_id), f"v{info.adapter_id}"
+
+
 async def run_generation(engine: EngineClient, metrics: ServerMetrics, gen: Generation, request: Request,
                          lifecycle: ServerLifecycle) -> Response:
     """Submit, then answer; the request's streams are guarded by ``lifecycle`` (its timeout, the drain)."""
@@ -75,40 +105,48 @@ async def run_generation(engine: EngineClient, metrics: ServerMetrics, gen: Gene
     choices = gen.params.choices()
     items = [(f"{gen.builder.id}-{i * len(choices) + j}", prompt, params, gen.adapter)
              for i, prompt in enumerate(gen.prompts) for j, params in enumerate(choices)]
+    generated, streaming = 0, False
     try:
-        streams = await engine.submit_many(items)
-    except UnknownAdapter as exc:
-        metrics.observe_request(gen.adapter, "rejected", None, None, None)
-        raise ServerError(404, f"model {gen.builder.model!r} not found: it is neither the base model "
-                          "nor a loaded adapter (see GET /v1/models)", "model") from exc
-    except RequestError as exc:
-        metrics.observe_request(gen.adapter, "rejected", None, None, None)
-        if exc.param == "prompt":
-            exc.param = gen.prompt_param
-        raise
-    except QueueFull:  # 503 with Retry-After
-        metrics.observe_request(gen.adapter, "rejected", None, None, None)
-        raise
-    guard = lifecycle.guard(streams)
-    if gen.stream:
-        return StreamingResponse(_events(streams, gen, metrics, timing, guard), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    try:
-        finals = await _collect_unless_disconnected(streams, request, timing)
-    except LoraplexError:  # timed out (504), ended by the shutdown or the engine's end (503)
-        metrics.observe_request(gen.adapter, "error", None, timing.ttft, timing.decode)
-        raise
+        try:
+            tags, version = await _route(engine, gen)
+            streams = await engine.submit_many(items, tags)
+        except UnknownAdapter as exc:
+            gen.observe(metrics, "rejected", None, timing)
+            raise model_not_found(gen.builder.model) from exc
+        except RequestError as exc:
+            gen.observe(metrics, "rejected", None, timing)
+            if exc.param == "prompt":
+                exc.param = gen.prompt_param
+            raise
+        except QueueFull:  # 503 with Retry-After
+            gen.observe(metrics, "rejected", None, timing)
+            raise
+        guard = lifecycle.guard(streams)
+        headers = {VERSION_HEADER: version}
+        if gen.stream:
+            streaming = True  # _events ends it
+            return StreamingResponse(_events(streams, gen, metrics, timing, guard), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        try:
+            finals = await _collect_unless_disconnected(streams, request, timing)
+        except LoraplexError:  # timed out (504), ended by the shutdown or the engine's end (503)
+            gen.observe(metrics, "error", None, timing)
+            raise
+        finally:
+            guard.close()
+        if finals is None:  # the client left; its requests are aborted
+            gen.observe(metrics, "abort", None, timing)
+            return Response(status_code=499)
+        generated = sum(len(f.token_ids) for f in finals)
+        for final in finals:
+            gen.observe(metrics, final.finish_reason or "unknown", final, timing)
+        failed = next((f for f in finals if f.finish_reason == "error" and f.error is not None), None)
+        if failed is not None:
+            return loraplex_error_response(failed.error)
+        return JSONResponse(gen.builder.full(finals), headers=headers)
     finally:
-        guard.close()
-    if finals is None:  # the client left; its requests are aborted
-        metrics.observe_request(gen.adapter, "abort", None, None, None)
-        return Response(status_code=499)
-    for final in finals:
-        metrics.observe_request(gen.adapter, final.finish_reason or "unknown", final, timing.ttft, timing.decode)
-    failed = next((f for f in finals if f.finish_reason == "error" and f.error is not None), None)
-    if failed is not None:
-        return loraplex_error_response(failed.error)
-    return JSONResponse(gen.builder.full(finals))
+        if not streaming:
+            gen.on_end(generated)
 
 
 async def _collect(stream: RequestStream, timing: _Timing) -> RequestOutput:
@@ -214,7 +252,7 @@ async def _events(streams: list[RequestStream], gen: Generation, metrics: Server
         if len(finals) == len(streams):
             status = "done"
             for out in finals.values():
-                metrics.observe_request(gen.adapter, out.finish_reason or "unknown", out, timing.ttft, timing.decode)
+                gen.observe(metrics, out.finish_reason or "unknown", out, timing)
             if gen.include_usage:
                 yield _sse(builder.usage_chunk([finals[i] for i in range(len(streams))]))
         yield "data: [DONE]\n\n"
@@ -232,4 +270,5 @@ async def _events(streams: list[RequestStream], gen: Generation, metrics: Server
         for stream in streams:
             stream.abort()
         if status != "done":
-            metrics.observe_request(gen.adapter, status, None, timing.ttft, timing.decode)
+            gen.observe(metrics, status, None, timing)
+        gen.on_end(sum(len(out.token_ids) for out in latest.values()))

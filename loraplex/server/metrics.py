@@ -125,6 +125,11 @@ class ServerMetrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.step_latency = Histogram("loraplex_step_latency_seconds", "Duration of one engine step.",
                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.tenant_requests = Counter("loraplex_tenant_requests", "Finished requests by tenant (the configured "
+                                       "API keys' tenants; 'none' without keys) and status.", ["tenant", "status"],
+                                       registry=r)
+        self.tenant_tokens = Counter("loraplex_tenant_tokens", "Prompt and generated tokens by tenant.",
+                                     ["tenant", "kind"], registry=r)
         self.runtime_loads = Counter("loraplex_runtime_adapter_loads", "Adapter loads through the API by result.",
                                      ["result"], registry=r)
         r.register(self._engine_stats)
@@ -133,15 +138,19 @@ class ServerMetrics:
         self.step_latency.observe(seconds)
 
     def observe_request(self, adapter: str | None, status: str, out: RequestOutput | None,
-                        ttft: float | None, decode_seconds: float | None) -> None:
-        """Record one request that ended (``out`` is None when it was rejected before running)."""
+                        ttft: float | None, decode_seconds: float | None, tenant: str | None = None) -> None:
+        """Record one request that ended (``out`` is None when it was rejected before running). ``tenant``
+        is bounded by its caller: a configured key's tenant, or None."""
         labels = self.adapter_labels
-        label = labels.label(adapter)
+        label, tenant_label = labels.label(adapter), tenant or "none"
         labels.child(self.requests, label, status).inc()
+        self.tenant_requests.labels(tenant_label, status).inc()
         if out is None:
             return
         labels.child(self.prompt_tokens, label).inc(len(out.prompt_token_ids))
         labels.child(self.generation_tokens, label).inc(len(out.token_ids))
+        self.tenant_tokens.labels(tenant_label, "prompt").inc(len(out.prompt_token_ids))
+        self.tenant_tokens.labels(tenant_label, "generated").inc(len(out.token_ids))
         if ttft is not None:
             self.ttft.observe(ttft)
         if decode_seconds is not None and len(out.token_ids) > 1:

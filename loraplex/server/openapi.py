@@ -38,6 +38,7 @@ STATUS_TEXT = {
     503: "The engine is not running (starting, stopped, or its process died), a request-preparation worker "
          "died while preparing this request, the server is shutting down, or its queue is full "
          "(--max-waiting-requests: then `Retry-After` says in how many seconds to retry)",
+    429: "Over this API key's limit (max_concurrent_requests, tokens_per_minute): `Retry-After` says when to retry",
     504: "The request ran past the server's --request-timeout and was stopped",
 }
 GENERATION_ERRORS = (400, 404, 409, 413, 503, 504)  # what /v1/completions and /v1/chat/completions may answer
@@ -151,6 +152,9 @@ def _complete(schema: dict[str, Any], vocab: int, max_len: int, auth: bool, mode
                 responses["401"] = {"description": STATUS_TEXT[401], "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
                 operation["security"] = [{"bearer": []}]
+            if auth and path in ("/v1/completions", "/v1/chat/completions"):  # a key's limits (server/quotas.py)
+                responses["429"] = {"description": STATUS_TEXT[429], "headers": RETRY_AFTER, "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
     components = schema["components"]
     if auth:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}

@@ -93,6 +93,7 @@ class _SamplingFields(StructuredFields, _Body):
     ignore_eos: bool | None = False
     stop_token_ids: list[Int] | None = None
     prompt_logprobs: Int | None = ranged(minimum=0, maximum=MAX_LOGPROBS)
+    priority: Int | None = None  # lower is admitted first, within the caller's tenant (fair share across)
 
     def _params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """Validated ``SamplingParams``; raises ``RequestError`` naming the offending field."""
@@ -252,6 +253,7 @@ def render_chat(tokenizer: Any, conversation: list[dict[str, Any]], tools: list[
 class LoadAdapterRequest(_Body):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
+    version: Literal["new"] | None = None  # "new": a loaded name gets a new version and moves to it
 
 
 class UnloadAdapterRequest(_Body):

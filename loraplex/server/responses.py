@@ -60,9 +60,11 @@ class ResponseBuilder:
         self.show_prompt_logprobs = show_prompt_logprobs
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
+        self.system_fingerprint: str | None = None  # the answering version's content hash, once routed
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.system_fingerprint, "choices": choices}
 
     def usage(self, outs: Sequence[RequestOutput]) -> dict[str, int]:
         """Each prompt counted once, each generated token once."""

@@ -52,6 +52,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"]
     created: int
     model: str
+    system_fingerprint: str | None = None  # the content hash of the adapter version (or base) that answered
     choices: list[CompletionChoice]
     usage: Usage
 
@@ -99,6 +100,7 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"]
     created: int
     model: str
+    system_fingerprint: str | None = None  # the content hash of the adapter version (or base) that answered
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
@@ -127,6 +129,26 @@ class AdapterUnloaded(BaseModel):
     status: Literal["ok"]
     message: str
     id: str
+
+
+class AdapterVersion(BaseModel):
+    id: str  # "v<number>"
+    content_hash: str
+    path: str
+    loaded_at: float  # Unix time
+    requests_served: int
+
+
+class AdapterVersions(BaseModel):
+    name: str
+    current: str  # the version id new requests run on (without a split)
+    split: dict[str, float] | None  # version id -> share of new requests, when split
+    versions: list[AdapterVersion]  # held, oldest first
+
+
+class AdapterVersionList(BaseModel):
+    object: Literal["list"]
+    data: list[AdapterVersions]
 
 
 class TokenizeResponse(BaseModel):
