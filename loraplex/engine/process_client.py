@@ -200,8 +200,7 @@ class EngineProcess(EngineClient):
         return future
 
     async def load_adapter(self, name: str, path: str, new_version: bool = False) -> Any:
-        """Load in the engine process, then read the version's own tokenizer here (if it ships one); if
-        that fails, the version is unloaded again (a new version: rolled back) and the error raised."""
+        """Load in the engine process, then mirror the version's own tokenizer here; if that fails, undo the load."""
         info = await self._call("load_adapter", name, path, new_version)
         try:
             await self._live_versions_changed()
@@ -215,7 +214,7 @@ class EngineProcess(EngineClient):
 
     async def unload_adapter(self, name: str) -> None:
         await self._call("unload_adapter", name)
-        await asyncio.to_thread(self._tokenizers.refresh)
+        await self._live_versions_changed()
 
     def tokenizer_for(self, adapter: str | None) -> Any:
         return self._tokenizers.tokenizer_for(adapter)
