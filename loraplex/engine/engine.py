@@ -27,6 +27,7 @@ from loraplex.engine.intake import RequestIntake
 from loraplex.engine.invariants import check_right_kv, check_right_weights, keys_hold_all_kv_inputs
 from loraplex.engine.kv_cache import BlockManager, KVCache
 from loraplex.engine.logprobs import add_prompt_logprobs, needs_prompt_rows
+from loraplex.engine.memory import release_free_memory
 from loraplex.engine.request import Request, RequestOutput, SamplingParams
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.engine.sampling import check_drawn, sample_rows
@@ -257,6 +258,7 @@ class Engine:
                     self.scheduler.add(request)
             elif isinstance(item, _Retire):
                 self.allocator.retire(item.adapter_id)
+                release_free_memory()  # its weights were freed: hand the pages back (engine/memory.py)
             elif (request := self._requests.get(item)) is not None:
                 self._compiling.remove(request)
                 outputs.append(self._finish(request, "abort"))
