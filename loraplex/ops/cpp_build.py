@@ -3,8 +3,12 @@
 torch caches a build under its extension name and rebuilds whenever the build command changes, and the
 command holds the Python environment's paths: two virtualenvs (two checkouts, CI and a user's) sharing
 ``~/.cache/torch_extensions`` would rebuild each other's modules on every switch. The name therefore
-carries a short digest of the environment, the torch version and the source paths, so each keeps its
+carries a short digest of the environment, the torch version, the source paths and the flags, so each keeps its
 own build (``TORCH_EXTENSIONS_DIR`` still chooses the folder).
+
+Every module compiles with ``-fopenmp``: ATen's ``at::parallel_for`` is OpenMP only where ``_OPENMP`` is
+defined, and runs its range serially on the calling thread otherwise (the kernels then used one of the
+engine's threads). The OpenMP symbols resolve to the libgomp torch has already loaded.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ def build_cpu_extension(name: str, label: str, sources: list[Path], flags: list[
     where it cannot be built (no compiler, no headers), logged once with what runs instead."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
-    digest = hashlib.sha256("|".join([sys.prefix, torch.__version__, *map(str, sources)]).encode()).hexdigest()
+    flags = [*flags, "-fopenmp"]
+    digest = hashlib.sha256("|".join([sys.prefix, torch.__version__, *map(str, sources), *flags]).encode()).hexdigest()
     try:
         from torch.utils.cpp_extension import load
 
