@@ -114,8 +114,9 @@ def test_sixteen_clients_over_six_adapters(tiny_llama: Path, adapters: dict[str,
 
 def test_unload_lets_running_requests_finish(seed_server: Server, offline: LLM) -> None:
     """Unloading an adapter mid-stream: the stream finishes with the version it started with; new
-    requests for the name get 404."""
-    srv, n = seed_server, 64
+    requests for the name get 404. 400 tokens: long enough that the unload and the stats call land
+    mid-stream on a busy host (64 tokens of the tiny model were over before them at load 5)."""
+    srv, n = seed_server, 400
 
     async def scenario() -> tuple[str, int, int]:
         client = srv.async_client()
