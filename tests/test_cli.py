@@ -98,6 +98,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 300.0) -> None:
+    """Until ``loraplex serve`` (``proc``, logging to ``log``) answers ``/health`` with 200; fails with its log
+    if it exits first or takes ``timeout`` seconds (start-up imports torch in the engine and each worker:
+    slow on a busy host)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
 def test_serve_process(tiny_llama: Path, tiny_llama_adapters: dict[str, Path], tmp_path: Path,
                        stop_signal: signal.Signals) -> None:
@@ -113,16 +129,7 @@ def test_serve_process(tiny_llama: Path, tiny_llama_adapters: dict[str, Path], t
     children: list[psutil.Process] = []
     try:
         url, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k3y"}
-        deadline = time.monotonic() + 300  # start-up: engine + 2 workers load torch (slow on a busy host)
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        wait_healthy(proc, url, log)
         assert httpx.get(f"{url}/v1/models").status_code == 401
         models = httpx.get(f"{url}/v1/models", headers=auth).json()["data"]
         assert [(m["id"], m["parent"]) for m in models] == [(tiny_llama.name, None), ("chat", tiny_llama.name)]

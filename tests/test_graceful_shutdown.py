@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from tests.test_cli import free_port
+from tests.test_cli import free_port, wait_healthy
 
 LONG = 480  # tokens; a prompt list of these on few seats runs for thousands of steps
 
@@ -36,16 +36,7 @@ def serve(tiny_llama: Path, adapter: Path, log: Path, *flags: str) -> Iterator[t
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
     url, children = f"http://127.0.0.1:{port}", []
     try:
-        deadline = time.monotonic() + 300  # start-up: the engine and a worker import torch (slow on a busy host)
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        wait_healthy(proc, url, log)
         children = psutil.Process(proc.pid).children(recursive=True)
         yield proc, url
     finally:
