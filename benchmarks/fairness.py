@@ -97,13 +97,13 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     print(f"\n{results['machine']}; load average {results['load_average_start']:.1f} -> "
           f"{results['load_average_end']:.1f}")
-    print(f"{'policy':<8}{'tok/s (median)':>16}{'runs':>28}{'steps':>12}{'slot writes':>14}")
+    print(f"{'policy':<8}{'tok/s (median)':>16}  {'runs':<26}{'steps':<16}{'slot writes'}")
     for policy in ("fair", "fcfs"):
         r = results[policy]
         speeds = ", ".join(f"{x['tok_s']:.1f}" for x in r["runs"])
         steps = ", ".join(str(x["steps"]) for x in r["runs"])
         writes = ", ".join(str(x["slot_writes"]) for x in r["runs"])
-        print(f"{policy:<8}{r['tok_s']:>16.1f}{speeds:>28}{steps:>12}{writes:>14}")
+        print(f"{policy:<8}{r['tok_s']:>16.1f}  {speeds:<26}{steps:<16}{writes}")
     print(f"fair / fcfs = {results['ratio']:.3f} (target >= 0.95)")
     write_json(args.out, results)
 
