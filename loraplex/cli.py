@@ -83,6 +83,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--quantization", default=None, choices=EngineConfig.QUANTIZATIONS,
                    help="store the base weights as weight-only int8 (LoRA stays float)")
+    p.add_argument("--lora-dtype", default=d.lora_dtype, choices=EngineConfig.LORA_DTYPES,
+                   help="adapter weights in the host tier and slots: bfloat16 halves their bytes (%(default)s)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="recompute every prompt instead of reusing cached K/V of a shared prefix")
     p.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=EngineConfig.SCHEDULING_POLICIES,
@@ -158,7 +160,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                             num_threads=args.threads, quantization=args.quantization,
                             saved_rows_budget_bytes=args.saved_rows_budget_mib << 20,
                             enable_prefix_caching=not args.no_prefix_caching,
-                            scheduling_policy=args.scheduling_policy)
+                            scheduling_policy=args.scheduling_policy, lora_dtype=args.lora_dtype)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

@@ -256,8 +256,14 @@ class EngineConfig:
     # Base weights: None keeps them in ``dtype``; "int8" stores every base projection and the lm_head as
     # weight-only int8, per output channel (``loraplex.ops.int8``); LoRA weights and activations stay float.
     quantization: str | None = None
+    # Adapter weights (A, B of every adapted projection) in the host tier and the slots: "float32" keeps the
+    # model's dtype (float32 on CPU); "bfloat16" rounds them once at load (B after its scale is folded in),
+    # halving the bytes a decode step reads, and the LoRA kernels widen them back and sum in float32.
+    # embed_tokens / lm_head adapter parts stay in the model's dtype.
+    lora_dtype: str = "float32"
 
     QUANTIZATIONS: ClassVar[tuple[str, ...]] = ("int8",)
+    LORA_DTYPES: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
     SCHEDULING_POLICIES: ClassVar[tuple[str, ...]] = ("fair", "fcfs")
 
     def __post_init__(self) -> None:
@@ -269,6 +275,8 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in self.QUANTIZATIONS:
             raise ValueError(f"EngineConfig.quantization must be None or one of {self.QUANTIZATIONS}, "
                              f"got {self.quantization!r}")
+        if self.lora_dtype not in self.LORA_DTYPES:
+            raise ValueError(f"EngineConfig.lora_dtype must be one of {self.LORA_DTYPES}, got {self.lora_dtype!r}")
         if self.scheduling_policy not in self.SCHEDULING_POLICIES:
             raise ValueError(f"EngineConfig.scheduling_policy must be one of {self.SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")

@@ -37,7 +37,7 @@ from loraplex.engine.structured.compiler import GrammarCompilers
 from loraplex.engine.structured.waiting import GrammarWaitlist
 from loraplex.engine.tokenizers import TokenizerTable
 from loraplex.errors import EngineStepFailed, LoraplexError
-from loraplex.layers.lora_linear import use_lora_kernels
+from loraplex.layers.lora_linear import use_lora_dtype, use_lora_kernels
 from loraplex.models.embedded import resolve_model
 from loraplex.models.fingerprint import checkpoint_fingerprint
 from loraplex.models.loader import load_model
@@ -79,6 +79,7 @@ class Engine:
             self.model.quantize_int8()
         self.lora_kernels = resolve_lora_kernels(config.lora_kernels, self.device)
         use_lora_kernels(self.model, self.lora_kernels, config.max_num_batched_tokens)
+        use_lora_dtype(self.model, torch.bfloat16 if config.lora_dtype == "bfloat16" else self.dtype)
         self.tokenizer: PreTrainedTokenizerBase | None = (
             AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None)
         block_bytes = KVCache.bytes_per_block(self.model_config, config.block_size, self.dtype)

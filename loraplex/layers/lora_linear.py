@@ -15,6 +15,10 @@ on the C++ CPU kernel (``loraplex.ops.lora_sgmv``); after ``use_lora_kernels(mod
 the layers shared ``LoRAStepBuffers``, on the Triton kernels (``loraplex.ops.lora_triton``). The kernels
 read the slot ranks and blocks from device tensors kept in step with every slot write.
 
+The slots hold A and B in the model's dtype unless ``use_lora_dtype(model, torch.bfloat16)`` narrowed them
+(``EngineConfig.lora_dtype``): a slot write then rounds each weight to bfloat16 (nearest even; B with its
+scale already folded in), and every kernel widens them back to the activations' dtype as it reads them.
+
 DoRA: a slot may carry a per-output-feature scale ``g`` folded once per adapter version
 (``g = m / ||W + B A||``); its rows then get ``y = (x W^T + x A^T B^T) * g + b``, stored as
 ``dora_scale[s + 1]`` (row 0 is the base model's: all ones) and, with a bias, ``dora_offset[s + 1] =
@@ -112,7 +116,7 @@ class LoRALinear(nn.Module):
     def dense_weight(self) -> torch.Tensor:
         """The base weight ``[sum(out), in]``, plain (a copy if packed; dequantized if int8)."""
         if self.int8_weight is not None:
-            return self.int8_weight.dense(self.lora_a.dtype)
+            return self.int8_weight.dense(self.dora_scale.dtype)
         return unpack_weight(self.packed_weight) if self.weight is None else self.weight
 
     def set_slot(self, slot: int, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
@@ -220,6 +224,22 @@ class LoRALinear(nn.Module):
     def _apply(self, fn, recurse: bool = True):  # .to(), .float(), ...: the buffers are replaced
         self.lora_cache.clear()
         return super()._apply(fn, recurse)
+
+
+def use_lora_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store every ``LoRALinear``'s A and B slots of ``model`` in ``dtype`` (its other buffers keep theirs).
+    Call before any adapter is written: the slots are reallocated empty."""
+    for linear in (m for m in model.modules() if isinstance(m, LoRALinear)):
+        if linear.lora_a.dtype is dtype:
+            continue
+        if any(linear.slot_ranks):
+            raise RuntimeError("use_lora_dtype: a slot already holds an adapter; set the dtype before writing any")
+        slots, rank_capacity, in_features = linear.lora_a.shape
+        device = linear.lora_a.device
+        linear.lora_a = torch.zeros(slots, rank_capacity, in_features, dtype=dtype, device=device)
+        linear.lora_b = torch.zeros(slots, rank_capacity, linear.out_offsets[-1], dtype=dtype,
+                                    device=device).transpose(1, 2)  # rank-major, as allocated in __init__
+        linear.lora_cache.clear()
 
 
 def use_lora_kernels(model: nn.Module, kernels: str, max_tokens: int) -> None:

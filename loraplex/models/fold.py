@@ -6,6 +6,10 @@
   ``DoraEmbeddingLayer`` computes it; W there is the adapter's vocabulary matrix (replaced/added rows).
 - Vocabulary rows (saved matrices, trainable tokens, a saved base layer) that equal the base rows are
   dropped: only the rows an adapter really changes or adds are kept (and counted in the budget).
+- Storage dtype: every projection's A and B (B scale-folded) are cast to the slots' dtype (bfloat16 under
+  ``EngineConfig.lora_dtype``, rounded to nearest even, the rounding a slot write would do), so the host
+  tier holds them at the slots' size; DoRA's g is then folded from the rounded A and B, which are the
+  ones served.
 Runs in the caller's thread (``AdapterManager.load`` / its background re-read), never in a step.
 """
 
@@ -33,6 +37,7 @@ def dora_scale(weight: torch.Tensor, delta: torch.Tensor, magnitude: torch.Tenso
 def prepare_adapter(model, weights: Any) -> Any:
     """``weights`` with ``dora_scales`` filled and every vocabulary module folded; see the module docstring."""
     source = getattr(weights, "path", "adapter")
+    weights = _in_slot_dtype(model, weights)
     scales = {}
     for layer_idx, linears in enumerate(model.adapted_layers()):
         for linear in linears:
@@ -44,8 +49,8 @@ def prepare_adapter(model, weights: Any) -> Any:
                 i = linear.names.index(proj)
                 w = dense[linear.out_offsets[i] : linear.out_offsets[i + 1]]  # [out_p, in]
                 a, b = weights.modules[(layer_idx, proj)]
-                scales[(layer_idx, proj)] = dora_scale(w, b @ a, weights.magnitudes[(layer_idx, proj)], 1,
-                                                       f"{source}: layer {layer_idx} {proj}")
+                scales[(layer_idx, proj)] = dora_scale(w, b.float() @ a.float(), weights.magnitudes[(layer_idx, proj)],
+                                                       1, f"{source}: layer {layer_idx} {proj}")
     bases: dict[str, torch.Tensor] = {}  # built on first use: an int8 lm_head is dequantized to read it
     folded_rows: dict[tuple[int, str], tuple[torch.Tensor | None, torch.Tensor | None]] = {}
     vocab = {}
@@ -67,6 +72,15 @@ def prepare_adapter(model, weights: Any) -> Any:
             scale = dora_scale(matrix, delta, module.magnitude, dim, f"{source}: {name}")
         vocab[name] = replace(module, row_ids=row_ids, rows=rows, dora_scale=scale)
     return replace(weights, dora_scales=MappingProxyType(scales), vocab=MappingProxyType(vocab))
+
+
+def _in_slot_dtype(model, weights: Any) -> Any:
+    """``weights`` with every projection's A and B in the dtype of the model's LoRA slots."""
+    dtype = model.adapted_layers()[0][0].lora_a.dtype
+    if all(a.dtype is dtype and b.dtype is dtype for a, b in weights.modules.values()):
+        return weights
+    return replace(weights, modules=MappingProxyType({key: (a.to(dtype), b.to(dtype))
+                                                      for key, (a, b) in weights.modules.items()}))
 
 
 def _changed_rows(row_ids: torch.Tensor | None, rows: torch.Tensor | None,

@@ -5,7 +5,9 @@ Semantics (for every slot group g with slot s and packed rank R_s > 0):
 Tokens with slot -1 are untouched (never written; no weight is ever indexed with -1, and slots no
 token reads are never read). B already carries the adapter's scale (alpha/r or alpha/sqrt(r)).
 Shapes: x [T, in], y [T, out] (changed in place), A [max_loras, R_max, in], B [max_loras, out, R_max],
-slot_ranks [max_loras] (R_s; 0 = the slot holds nothing for this layer). Any float dtype, all alike.
+slot_ranks [max_loras] (R_s; 0 = the slot holds nothing for this layer). Any float dtype, x and y alike;
+A and B may be stored narrower (bfloat16 under ``EngineConfig.lora_dtype``): they are upcast to x's dtype
+once per memo entry (a copy, so the memo's owner clears it on every slot write, as for views).
 Precondition (``LoRALinear`` keeps it): ``A[s, R_s:]`` and ``B[s, :, R_s:]`` are zero.
 
 A packed layer's B is block-diagonal; ``slot_blocks[s]`` may list its blocks ``(out_lo, out_hi,
@@ -146,7 +148,8 @@ def add_lora(
 def _add_slot(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slot: int,
               slot_ranks: Sequence[int], slot_blocks: Sequence[Blocks] | None, cache: LoRACache) -> None:
     """``y += (x @ A_s^T) @ B_s^T`` for rows that all read ``slot``; y [n, out], x [n, in] (views are fine)."""
-    blocks, a_t, b_ts = _slot_weights(lora_a, lora_b, slot, slot_ranks, slot_blocks, cache, x.shape[0], y.shape[1])
+    blocks, a_t, b_ts = _slot_weights(lora_a, lora_b, slot, slot_ranks, slot_blocks, cache, x.shape[0], y.shape[1],
+                                      x.dtype)
     shrunk = x @ a_t  # [n, R_s]
     for (o_lo, o_hi, r_lo, r_hi), b_t in zip(blocks, b_ts, strict=True):
         if r_hi > r_lo:
@@ -156,7 +159,7 @@ def _add_slot(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: to
 def _slot_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slot: int, slot_ranks: Sequence[int],
                 slot_blocks: Sequence[Blocks] | None, cache: LoRACache, out: int) -> torch.Tensor:
     """``(x @ A_s^T) @ B_s^T`` as a new ``[n, out]`` tensor, for rows x [n, in] that all read ``slot``."""
-    blocks, a_t, b_ts = _slot_weights(lora_a, lora_b, slot, slot_ranks, slot_blocks, cache, x.shape[0], out)
+    blocks, a_t, b_ts = _slot_weights(lora_a, lora_b, slot, slot_ranks, slot_blocks, cache, x.shape[0], out, x.dtype)
     shrunk = x @ a_t  # [n, R_s]
     if len(blocks) == 1:
         return shrunk @ b_ts[0]
@@ -164,16 +167,17 @@ def _slot_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slo
 
 
 def _slot_weights(lora_a: torch.Tensor, lora_b: torch.Tensor, slot: int, slot_ranks: Sequence[int],
-                  slot_blocks: Sequence[Blocks] | None, cache: LoRACache, rows: int,
-                  out: int) -> tuple[Blocks, torch.Tensor, tuple[torch.Tensor, ...]]:
+                  slot_blocks: Sequence[Blocks] | None, cache: LoRACache, rows: int, out: int,
+                  dtype: torch.dtype) -> tuple[Blocks, torch.Tensor, tuple[torch.Tensor, ...]]:
     """One slot's blocks (B's own when ``rows`` make block-by-block pay, else one) and views
-    ``A_s^T [in, R_s]``, ``B^T [r_p, out_p]`` per block."""
+    ``A_s^T [in, R_s]``, ``B^T [r_p, out_p]`` per block (copies in ``dtype`` if stored narrower)."""
     rank = slot_ranks[slot]
     blocks = slot_blocks[slot] if slot_blocks is not None else ()
     if len(blocks) < 2 or rows < BLOCKWISE_MIN_ROWS:
         blocks = ((0, out, 0, rank),)
     a_t, *b_ts = cache.view(("slot", slot, blocks), lambda: (
-        lora_a[slot, :rank].t(), *(lora_b[slot, o_lo:o_hi, r_lo:r_hi].t() for o_lo, o_hi, r_lo, r_hi in blocks)))
+        lora_a[slot, :rank].t().to(dtype),
+        *(lora_b[slot, o_lo:o_hi, r_lo:r_hi].t().to(dtype) for o_lo, o_hi, r_lo, r_hi in blocks)))
     return blocks, a_t, tuple(b_ts)
 
 
@@ -190,9 +194,10 @@ def _add_padded(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     span = batch.slot_span
     if span is not None:  # the groups' slots are one range: views of the buffers, memoised
         a_t, *b_ts = cache.view(("span", span, blocks), lambda: _grid_weights(
-            lora_a, lora_b, rank, blocks, lambda t: t[span[0] : span[1]]))
+            lora_a, lora_b, rank, blocks, lambda t: t[span[0] : span[1]].to(x.dtype)))
     else:  # copies of just the groups' slots, at rank R and block by block
-        a_t, *b_ts = _grid_weights(lora_a, lora_b, rank, blocks, lambda t: t.index_select(0, batch.slots_tensor))
+        a_t, *b_ts = _grid_weights(lora_a, lora_b, rank, blocks,
+                                   lambda t: t.index_select(0, batch.slots_tensor).to(x.dtype))
     layout = batch.padded
     g, m = len(batch.group_slots), layout.max_group_tokens
     if layout.contiguous is not None:  # x and y through views; the expand accumulates into y in place

@@ -7,24 +7,33 @@
 //   y[i, o_lo:o_hi] += sum_{r in [r_lo, r_hi)} t[i, r] * B[s, o_lo:o_hi, r]
 // Rows in no group are never read or written; slots in no group are never read. Each block's delta is
 // summed in registers and added to y once (y + delta, as the torch ops do).
-// x [T, in], y [T, out] float32 with unit inner strides (any row strides; y changed in place),
-// A [L, R_max, in] with unit inner stride, B [L, out, R_max] with unit stride over out (loraplex keeps
-// B rank-major), order [T_lora] / group_slots [G] / group_offsets [G + 1] int64, slot_ranks [L] int32,
-// slot_blocks [L, P, 4] int32 (blocks with r_hi == r_lo are skipped).
+// x [T, in], y [T, out] float32 with unit inner strides (any row strides; y changed in place), A [L, R_max, in]
+// with unit inner stride, B [L, out, R_max] with unit stride over out (loraplex keeps B rank-major), A and B
+// both float32 or both bfloat16 (widened to float32 as read, sums in float32), order [T_lora] / group_slots [G]
+// / group_offsets [G + 1] int64, slot_ranks [L] int32, slot_blocks [L, P, 4] int32 (blocks with r_hi == r_lo
+// are skipped).
 //
-// Each adapter's A and B are read from memory once per group of rows (up to 4 rows in registers; a larger
-// group reads them again, from cache, per 4 rows): the shrink walks A's rank rows a few at a time, the
-// expand walks a block's columns a tile at a time across its rank rows, and a Prefetcher keeps 16 KiB of
-// what comes next (this group's and the next groups' A and B) on its way. No row of x or y is copied.
-// Single-threaded; rows of each group are summed in the same order whatever the rest of the batch, so
-// results are batch-independent.
+// Each adapter's A and B are read from memory once per group of rows (up to 4 rows in registers; a larger group
+// reads them again, from cache, per 4 rows): the shrink walks A's rank rows a few at a time, the expand walks a
+// block's columns a tile at a time across its rank rows, and a Prefetcher keeps 16 KiB of what comes next (this
+// group's and the next groups' A and B) on its way. No row of x or y is copied. Single-threaded; rows of each
+// group are summed in the same order whatever the rest of the batch, so results are batch-independent.
 #include <immintrin.h>
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 namespace {
+
+// Adapter weights are float or bfloat16 (``uint16_t``: a float32's high half, so widening is a shift).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // zero-extend 8 x 16 bits to 32, shift into the high half
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) { return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(int32_t{v} << 16))); }
 
 constexpr int kMaxRows = 4;  // rows of a group computed together in registers
 
@@ -35,42 +44,37 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-// A matrix region the kernel reads: ``rows`` rows of ``cols`` floats, ``stride`` floats apart, read row by row
-// (``by_rows``: A, a few rank rows at a time) or a 64-byte column of lines at a time across its rows (B's
-// rank rows, tile by tile).
+// A matrix region the kernel reads: ``rows`` rows of ``cols`` weights, ``stride`` weights apart, read row by row
+// (``by_rows``: A, a few rank rows at a time) or a 64-byte column of lines at a time across its rows (B, by tile).
+template <typename W>
 struct Region {
-  const float* base;
+  const W* base;
   int64_t stride, rows, cols;
   bool by_rows;
 };
 
 // Prefetches the regions of a call (every group's A, then its B blocks, in the order the kernel reads them)
-// a fixed distance ahead of the reading. ``advance(floats)`` is called as the kernel reads; each call issues
-// at most a few lines more than were read, so the core's miss queue is never flooded (a burst of prefetches
-// is mostly dropped).
+// a fixed distance ahead of the reading. ``advance(n)`` is called as the kernel reads n weights (W); each call
+// issues at most a few 64-byte lines more than were read, so the core's miss queue is never flooded (a burst
+// of prefetches is mostly dropped).
+template <typename W>
 class Prefetcher {
  public:
-  explicit Prefetcher(std::vector<Region> regions) : regions_(std::move(regions)) {}
+  explicit Prefetcher(std::vector<Region<W>> regions) : regions_(std::move(regions)) {}
 
-  void advance(int64_t floats) {
-    consumed_ += floats;
-    int64_t budget = floats + 16;
+  void advance(int64_t n) {
+    consumed_ += n;
+    int64_t budget = n + kLine;
     while (region_ < regions_.size() && (issued_ < consumed_ || (issued_ < consumed_ + kLead && budget > 0))) {
-      const Region& g = regions_[region_];
-      const int64_t width = std::min<int64_t>(16, g.cols - col_);
+      const Region<W>& g = regions_[region_];
+      const int64_t width = std::min<int64_t>(kLine, g.cols - col_);
       if (issued_ >= consumed_) {
         _mm_prefetch(reinterpret_cast<const char*>(g.base + row_ * g.stride + col_), _MM_HINT_T0);
-        budget -= 16;
+        budget -= kLine;
       }
       issued_ += width;
-      if (g.by_rows ? (col_ += 16) >= g.cols : ++row_ == g.rows) {  // the row (column of lines) is done
-        if (g.by_rows) {
-          col_ = 0;
-          ++row_;
-        } else {
-          row_ = 0;
-          col_ += 16;
-        }
+      if (g.by_rows ? (col_ += kLine) >= g.cols : ++row_ == g.rows) {  // the row (column of lines) is done
+        if (g.by_rows) { col_ = 0; ++row_; } else { row_ = 0; col_ += kLine; }
         if (row_ == g.rows || col_ >= g.cols) {
           row_ = col_ = 0;
           ++region_;
@@ -80,18 +84,18 @@ class Prefetcher {
   }
 
  private:
-  // floats read ahead (16 KiB; 8-64 KiB measured alike, none at all ~1.4x slower: a block's rank rows are too
+  // weights read ahead (16 KiB; 8-64 KiB measured alike, none at all ~1.4x slower: a block's rank rows are too
   // many streams, and an adapter's A and B too short a run, for the hardware prefetcher)
-  static constexpr int64_t kLead = 4096;
-  std::vector<Region> regions_;
+  static constexpr int64_t kLine = 64 / sizeof(W), kLead = 16384 / sizeof(W);
+  std::vector<Region<W>> regions_;
   size_t region_ = 0;
   int64_t row_ = 0, col_ = 0, issued_ = 0, consumed_ = 0;
 };
 
 // t[i * ts + k] = x_i . a[k * as] for NR rows and NK rank rows of A, over n floats
-template <int NR, int NK>
-inline void shrink_tile(const float* const* x, const float* a, int64_t as, int64_t n, float* t, int64_t ts,
-                        Prefetcher* pf) {
+template <int NR, int NK, typename W>
+inline void shrink_tile(const float* const* x, const W* a, int64_t as, int64_t n, float* t, int64_t ts,
+                        Prefetcher<W>* pf) {
   __m256 acc[NR][NK];
 #pragma GCC unroll 8
   for (int i = 0; i < NR; ++i)
@@ -105,7 +109,7 @@ inline void shrink_tile(const float* const* x, const float* a, int64_t as, int64
     for (int i = 0; i < NR; ++i) xv[i] = _mm256_loadu_ps(x[i] + j);
 #pragma GCC unroll 8
     for (int k = 0; k < NK; ++k) {
-      const __m256 av = _mm256_loadu_ps(a + k * as + j);
+      const __m256 av = load8(a + k * as + j);
 #pragma GCC unroll 8
       for (int i = 0; i < NR; ++i) acc[i][k] = _mm256_fmadd_ps(xv[i], av, acc[i][k]);
     }
@@ -115,15 +119,15 @@ inline void shrink_tile(const float* const* x, const float* a, int64_t as, int64
 #pragma GCC unroll 8
     for (int k = 0; k < NK; ++k) {
       float sum = hsum(acc[i][k]);
-      for (int64_t jj = j; jj < n; ++jj) sum += x[i][jj] * a[k * as + jj];
+      for (int64_t jj = j; jj < n; ++jj) sum += x[i][jj] * widen(a[k * as + jj]);
       t[i * ts + k] = sum;
     }
 }
 
 // t[i * R + r] = x_i . A_s[r] for NR rows, every r < R
-template <int NR>
-void shrink_rows(const float* const* x, const float* a, int64_t as, int64_t in, int64_t rank, float* t,
-                 Prefetcher* pf) {
+template <int NR, typename W>
+void shrink_rows(const float* const* x, const W* a, int64_t as, int64_t in, int64_t rank, float* t,
+                 Prefetcher<W>* pf) {
   constexpr int NK = NR == 1 ? 8 : NR == 2 ? 4 : NR == 3 ? 3 : 2;
   int64_t r = 0;
   for (; r + NK <= rank; r += NK) shrink_tile<NR, NK>(x, a + r * as, as, in, t + r, rank, pf);
@@ -131,23 +135,23 @@ void shrink_rows(const float* const* x, const float* a, int64_t as, int64_t in, 
 }
 
 // y_i[c : c + 8 NV] += sum_{r < nr} t[i * ts + r] * b[r * bs + c : ...] for NR rows
-template <int NR, int NV>
-inline void expand_tile(float* const* y, int64_t c, const float* t, int64_t ts, const float* b, int64_t bs,
-                        int64_t nr, Prefetcher* pf) {
+template <int NR, int NV, typename W>
+inline void expand_tile(float* const* y, int64_t c, const float* t, int64_t ts, const W* b, int64_t bs,
+                        int64_t nr, Prefetcher<W>* pf) {
   __m256 acc[NR][NV];
 #pragma GCC unroll 8
   for (int i = 0; i < NR; ++i)
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_setzero_ps();
   for (int64_t r = 0; r < nr; ++r) {
-    const float* br = b + r * bs + c;
+    const W* br = b + r * bs + c;
     if (pf != nullptr) pf->advance(8 * NV);
     __m256 tv[NR];
 #pragma GCC unroll 8
     for (int i = 0; i < NR; ++i) tv[i] = _mm256_broadcast_ss(t + i * ts + r);
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) {
-      const __m256 bv = _mm256_loadu_ps(br + 8 * v);
+      const __m256 bv = load8(br + 8 * v);
 #pragma GCC unroll 8
       for (int i = 0; i < NR; ++i) acc[i][v] = _mm256_fmadd_ps(tv[i], bv, acc[i][v]);
     }
@@ -162,50 +166,46 @@ inline void expand_tile(float* const* y, int64_t c, const float* t, int64_t ts, 
 }
 
 // one block: y_i[lo:hi] += t_i[0:nr] @ B^T[0:nr, lo:hi] for NR rows (t and b start at the block's first rank)
-template <int NR>
-void expand_rows(float* const* y, const float* t, int64_t ts, const float* b, int64_t bs, int64_t nr, int64_t lo,
-                 int64_t hi, Prefetcher* pf) {
+template <int NR, typename W>
+void expand_rows(float* const* y, const float* t, int64_t ts, const W* b, int64_t bs, int64_t nr, int64_t lo,
+                 int64_t hi, Prefetcher<W>* pf) {
   constexpr int NV = NR == 1 ? 8 : NR == 2 ? 4 : NR == 3 ? 3 : 2;
   int64_t c = lo;
   for (; c + 8 * NV <= hi; c += 8 * NV) expand_tile<NR, NV>(y, c, t, ts, b, bs, nr, pf);
   for (; c + 8 <= hi; c += 8) expand_tile<NR, 1>(y, c, t, ts, b, bs, nr, pf);
-  for (; c < hi; ++c) {
+  for (; c < hi; ++c)
     for (int i = 0; i < NR; ++i) {
       float sum = 0.0f;
-      for (int64_t r = 0; r < nr; ++r) sum += t[i * ts + r] * b[r * bs + c];
+      for (int64_t r = 0; r < nr; ++r) sum += t[i * ts + r] * widen(b[r * bs + c]);
       y[i][c] += sum;
     }
-  }
 }
 
+template <typename W>
 struct Slot {
-  const float* a = nullptr;  // A_s [R, in], row stride as
-  const float* bt = nullptr;  // B_s^T [R, out] (B rank-major), row stride bs
+  const W* a = nullptr;  // A_s [R, in], row stride as
+  const W* bt = nullptr;  // B_s^T [R, out] (B rank-major), row stride bs
   int64_t rank = 0;
   const int32_t* blocks = nullptr;  // [P, 4]
 };
 
-// NR rows of one group; ``pf`` (null when another chunk of the group's rows read its weights already) is told
-// what is read
-template <int NR>
-void group_rows(float* const* y, const float* const* x, const Slot& s, int64_t as, int64_t bs, int64_t in,
-                int64_t num_blocks, float* t, Prefetcher* pf) {
+// NR rows of one group; ``pf`` (null when another chunk of the group's rows read its weights) is told what is read
+template <int NR, typename W>
+void group_rows(float* const* y, const float* const* x, const Slot<W>& s, int64_t as, int64_t bs, int64_t in,
+                int64_t num_blocks, float* t, Prefetcher<W>* pf) {
   shrink_rows<NR>(x, s.a, as, in, s.rank, t, pf);
   for (int64_t p = 0; p < num_blocks; ++p) {
     const int32_t* blk = s.blocks + 4 * p;
-    if (blk[3] > blk[2]) {
+    if (blk[3] > blk[2])
       expand_rows<NR>(y, t + blk[2], s.rank, s.bt + blk[2] * bs, bs, blk[3] - blk[2], blk[0], blk[1], pf);
-    }
   }
 }
 
-}  // namespace
-
-void sgmv(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& lora_a, const torch::Tensor& lora_b,
-          const torch::Tensor& order, const torch::Tensor& group_slots, const torch::Tensor& group_offsets,
-          const torch::Tensor& slot_ranks, const torch::Tensor& slot_blocks) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat && lora_a.scalar_type() == at::kFloat &&
-              lora_b.scalar_type() == at::kFloat, "sgmv: float32 tensors only");
+// the call with weights of type W (float, or uint16_t for bfloat16)
+template <typename W>
+void sgmv_as(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& lora_a, const torch::Tensor& lora_b,
+             const torch::Tensor& order, const torch::Tensor& group_slots, const torch::Tensor& group_offsets,
+             const torch::Tensor& slot_ranks, const torch::Tensor& slot_blocks) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.stride(1) == 1 && y.stride(1) == 1,
               "sgmv: x [T, in] and y [T, out] with unit inner strides");
   TORCH_CHECK(lora_a.dim() == 3 && lora_b.dim() == 3 && lora_a.size(2) == x.size(1) && lora_b.size(1) == y.size(1) &&
@@ -229,8 +229,8 @@ void sgmv(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& lora_a,
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t as = lora_a.stride(1), bs = lora_b.stride(2), xs = x.stride(0), ys = y.stride(0);
-  std::vector<Slot> slots(num_groups);
-  std::vector<Region> regions;
+  std::vector<Slot<W>> slots(num_groups);
+  std::vector<Region<W>> regions;
   for (int64_t g = 0; g < num_groups; ++g) {
     const int64_t s = gs[g];
     TORCH_CHECK(s >= 0 && s < num_slots, "sgmv: group slot ", s, " out of range");
@@ -244,11 +244,11 @@ void sgmv(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& lora_a,
                                        blk[2] <= blk[3] && blk[3] <= rank), "sgmv: slot ", s, " block ", p,
                   " outside the layer or the slot's rank");
     }
-    const Slot slot{lora_a.data_ptr<float>() + s * lora_a.stride(0), lora_b.data_ptr<float>() + s * lora_b.stride(0),
-                    rank, sb};
+    const Slot<W> slot{static_cast<const W*>(lora_a.data_ptr()) + s * lora_a.stride(0),
+                       static_cast<const W*>(lora_b.data_ptr()) + s * lora_b.stride(0), rank, sb};
     slots[g] = slot;
     if (go[g + 1] == go[g]) continue;
-    regions.push_back(as == in ? Region{slot.a, 0, 1, rank * in, true} : Region{slot.a, as, rank, in, true});
+    regions.push_back(as == in ? Region<W>{slot.a, 0, 1, rank * in, true} : Region<W>{slot.a, as, rank, in, true});
     for (int64_t p = 0; p < num_blocks; ++p) {
       const int32_t* blk = sb + 4 * p;
       if (blk[3] > blk[2]) {
@@ -256,13 +256,13 @@ void sgmv(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& lora_a,
       }
     }
   }
-  Prefetcher prefetcher(std::move(regions));
+  Prefetcher<W> prefetcher(std::move(regions));
   std::vector<float> t(kMaxRows * std::max<int64_t>(r_max, 1));
   for (int64_t g = 0; g < num_groups; ++g) {
-    const Slot& slot = slots[g];
+    const Slot<W>& slot = slots[g];
     if (slot.rank == 0) continue;
     for (int64_t lo = go[g]; lo < go[g + 1]; lo += kMaxRows) {
-      Prefetcher* pf = lo == go[g] ? &prefetcher : nullptr;
+      Prefetcher<W>* pf = lo == go[g] ? &prefetcher : nullptr;
       const int n = static_cast<int>(std::min<int64_t>(kMaxRows, go[g + 1] - lo));
       const float* xr[kMaxRows];
       float* yr[kMaxRows];
@@ -282,6 +282,19 @@ void sgmv(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& lora_a,
   }
 }
 
+}  // namespace
+
+void sgmv(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& lora_a, const torch::Tensor& lora_b,
+          const torch::Tensor& order, const torch::Tensor& group_slots, const torch::Tensor& group_offsets,
+          const torch::Tensor& slot_ranks, const torch::Tensor& slot_blocks) {
+  const auto w = lora_a.scalar_type();
+  TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat && lora_b.scalar_type() == w &&
+              (w == at::kFloat || w == at::kBFloat16), "sgmv: float32 x and y, A and B both float32 or bfloat16");
+  (w == at::kFloat ? sgmv_as<float> : sgmv_as<uint16_t>)(y, x, lora_a, lora_b, order, group_slots, group_offsets,
+                                                         slot_ranks, slot_blocks);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("sgmv", &sgmv, "y[rows of each slot group] += (x[rows] @ A_s^T) @ B_s^T, block by block, in place");
+  m.def("sgmv", &sgmv, "y[rows of each slot group] += (x[rows] @ A_s^T) @ B_s^T, block by block, in place "
+        "(A, B float32 or bfloat16)");
 }

@@ -1,4 +1,4 @@
-"""The batched LoRA delta as one C++ kernel for x86 CPUs with AVX2 (``lora_sgmv.cpp``), float32.
+"""The batched LoRA delta as one C++ kernel for x86 CPUs with AVX2 (``lora_sgmv.cpp``).
 
 Semantics: those of ``loraplex.ops.lora.add_lora`` (each slot group at its slot's own rank, B block by
 block, rows with slot -1 untouched bit for bit, slots no group reads never read), computed as
@@ -8,9 +8,12 @@ scatter or padding), and the slot's A and B are read once for the group (the row
 a time in registers against them). The rank and the blocks come from the layer's int32 slot tables
 (``LoRALinear.slot_ranks_dev`` / ``slot_blocks_dev``, ``[max_loras]`` / ``[max_loras, P, 4]``).
 
-The kernel takes float32 CPU tensors with unit inner strides and B stored rank-major (``LoRALinear``'s
-layout: unit stride over out); for anything else ``add_lora_sgmv`` runs the torch ops. It is built with
-the system compiler by ``torch.utils.cpp_extension`` at first use and cached (``make install`` builds it).
+The kernel takes float32 x and y, A and B both float32 or both bfloat16 (``EngineConfig.lora_dtype``: each
+weight is widened to float32 as it is read, every sum is float32, so bfloat16 weights give the float32 result
+of their rounded values at half the bytes read), CPU tensors with unit inner strides and B stored rank-major
+(``LoRALinear``'s layout: unit stride over out); for anything else ``add_lora_sgmv`` runs the torch ops. It is
+built with the system compiler by ``torch.utils.cpp_extension`` at first use and cached (``make install``
+builds it).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from loraplex.ops.lora import Blocks, LoRACache, add_lora
 from loraplex.ops.lora_batch import LoRABatch
 
 _SOURCE = Path(__file__).with_name("lora_sgmv.cpp")
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)  # the adapter weight dtypes the kernel reads
 
 
 @functools.cache
@@ -37,10 +41,12 @@ def kernel() -> ModuleType | None:
 
 
 def takes(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
-    """Whether the kernel computes this call: float32 CPU tensors in the layouts it reads, and it is built."""
-    for t in (y, x, lora_a, lora_b):
-        if t.dtype is not torch.float32 or not t.is_cpu:
-            return False
+    """Whether the kernel computes this call: float32 x and y, float32 or bfloat16 A and B (one dtype), CPU
+    tensors in the layouts it reads, and it is built."""
+    if y.dtype is not torch.float32 or x.dtype is not torch.float32 or lora_b.dtype is not lora_a.dtype:
+        return False
+    if lora_a.dtype not in WEIGHT_DTYPES or not all(t.is_cpu for t in (y, x, lora_a, lora_b)):
+        return False
     return (y.stride(-1) == 1 and x.stride(-1) == 1 and lora_a.stride(-1) == 1 and lora_b.stride(1) == 1
             and kernel() is not None)
 

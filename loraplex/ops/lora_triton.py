@@ -10,7 +10,8 @@ Shapes: x [T, in], y [T, out] (changed in place; any strides), A [max_loras, R_m
 B [max_loras, out, R_max] (any strides: loraplex stores B rank-major), slot_ranks [max_loras] int32,
 slot_blocks [max_loras, P, 4] int32 (one block per packed projection: q/k/v, gate/up; B is zero
 outside them, so the expand computes only the blocks). Index buffers: ``LoRAStepBuffers``.
-x, A, B, y share one float dtype; products accumulate in float32 (inputs are upcast before ``tl.dot``,
+x and y share one float dtype, A and B one of their own (bfloat16 weights under float32 activations:
+``EngineConfig.lora_dtype``); products accumulate in float32 (inputs are upcast before ``tl.dot``,
 which also keeps Triton's interpreter exact: it multiplies bfloat16 tiles as raw 16-bit integers).
 
 Each rank is computed at its own size: rank tiles past R_s exit at once, the last one is masked.

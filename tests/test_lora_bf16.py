@@ -1,0 +1,165 @@
+"""bfloat16 adapter weights (``EngineConfig.lora_dtype="bfloat16"``, ``--lora-dtype``).
+
+The sgmv kernel and the torch ops read bfloat16 A and B under float32 activations and must equal the
+float64 oracle of the rounded weights (ranks 1..64, NaN-poisoned unused slots, every popularity). Through
+``LoRALinear``, a slot write rounds a float32 adapter exactly as the oracle does, and a rewrite of the slot
+shows through (no stale upcast copy). The engine with adapters whose weights are exactly bfloat16 (so the
+rounding loses nothing) generates HF + PEFT's greedy tokens, on the host tier at half the bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from loraplex import LLM
+from loraplex.cli import build_parser, engine_config
+from loraplex.config import EngineConfig
+from loraplex.layers.lora_linear import LoRALinear, use_lora_dtype, use_lora_kernels
+from loraplex.ops import lora_sgmv
+from loraplex.ops.lora_batch import LORA_METHODS, BatchMapping, build_lora_batch
+from loraplex.ops.lora_step_buffers import slot_tables
+from tests.test_engine_reference import assert_mixed_batch_equals_hf_peft
+from tests.test_lora_ops import POPULARITY, check_op, make_mapping, packed_case, reference, stacked_weights
+from tests.test_lora_sgmv import check_sgmv, rank_major
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sgmv_kernel():  # noqa: ANN201
+    assert lora_sgmv.kernel() is not None, "the LoRA sgmv kernel must build on an AVX2 machine with a compiler"
+
+
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
+@pytest.mark.parametrize(("in_f", "out_f"), [(43, 37), (136, 200)])
+def test_bfloat16_weights_match_float64_loop(popularity: str, num_tokens: int, in_f: int, out_f: int) -> None:
+    """sgmv (the AVX2 build: widened 8 bf16 at a time, the tails one by one) and every torch method."""
+    seed = zlib.crc32(f"bf16-{popularity}-{num_tokens}-{in_f}".encode())
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    max_loras, r_max = 13, 64  # slot 12 (= slot -1 read wrongly) stays unused
+    mapping = make_mapping(popularity, num_tokens, 9, rng)
+    batch = build_lora_batch(mapping, {i: (i * 5 + 1) % max_loras for i in range(9)}, slot_version=1)
+    ranks = [r_max] * max_loras  # unused slots: full rank of NaN
+    for s in batch.group_slots:
+        ranks[s] = rng.randint(1, r_max)
+    ranks[batch.group_slots[0] if batch.group_slots else 0] = r_max
+    a, b = stacked_weights(max_loras, set(batch.group_slots), ranks, r_max, in_f, out_f, torch.bfloat16, gen)
+    x = torch.randn(num_tokens, in_f + 5, generator=gen)[:, 2:-3]  # rows strided
+    y0 = torch.randn(num_tokens, out_f, generator=gen)
+    expected = reference(y0, x, a, b, ranks, batch.token_slots)  # float64 of the bfloat16 values
+    check_sgmv(y0, x, a, rank_major(b), ranks, batch, None, expected, strided_y=True)
+    for method in LORA_METHODS:
+        check_op(y0, x, a, b, ranks, batch, expected, method)
+
+
+@pytest.mark.parametrize("block_ranks", [[(3, 5, 2), (8, 0, 4), (1, 1, 1)], [(0, 0, 0), (16, 16, 16), (0, 0, 0)]])
+def test_bfloat16_packed_blocks(block_ranks: list[tuple[int, ...]]) -> None:
+    seqs = [(0, 5), (None, 2), (2, 5), (1, 5), (0, 3), (2, 1)]
+    y0, x, a, b, ranks, slot_blocks, batch = packed_case(block_ranks, (72, 24, 9), seqs, seed=5)
+    a, b = a.bfloat16(), b.bfloat16()
+    expected = reference(y0, x, a, b, ranks, batch.token_slots)
+    check_sgmv(y0, x, a, rank_major(b), ranks, batch, slot_blocks, expected, strided_y=True)
+    for method in LORA_METHODS:
+        check_op(y0, x, a, b, ranks, batch, expected, method, slot_blocks=slot_blocks)
+
+
+def test_mixed_weight_dtypes_run_the_torch_ops() -> None:
+    """A bfloat16 A with a float32 B is no layout the kernel reads: the torch ops compute it, upcast."""
+    gen = torch.Generator().manual_seed(3)
+    a, b = stacked_weights(2, {0, 1}, [4, 6], 8, 16, 12, torch.float32, gen)
+    a, b = a.bfloat16(), rank_major(b)
+    ranks_table, blocks_table = slot_tables([4, 6], 12, None, 1, "cpu")
+    batch = build_lora_batch(BatchMapping((0, None, 1, 1)), {0: 0, 1: 1}, 0)
+    x, y0 = torch.randn(4, 16, generator=gen), torch.randn(4, 12, generator=gen)
+    assert lora_sgmv.takes(y0, x, a, b.bfloat16()) and not lora_sgmv.takes(y0, x, a, b)
+    y = y0.clone()
+    lora_sgmv.add_lora_sgmv(y, x, a, b, [4, 6], ranks_table, blocks_table, batch)
+    expected = reference(y0, x, a, b, [4, 6], batch.token_slots)
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_linear_rounds_on_slot_write_and_rewrites_show_through() -> None:
+    gen = torch.Generator().manual_seed(11)
+    layer = LoRALinear(64, (48, 16), ("gate_proj", "up_proj"), 3, 16)
+    layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen) / 8)
+    model = torch.nn.ModuleList([layer])
+    use_lora_dtype(model, torch.bfloat16)
+    assert layer.lora_a.dtype is torch.bfloat16 and layer.lora_b.dtype is torch.bfloat16
+    assert layer.lora_b.stride(1) == 1, "B stays rank-major"
+    batch = build_lora_batch(BatchMapping((0, None, 1, 1, 0)), {0: 0, 1: 2}, 0)
+    x = torch.randn(5, 64, generator=gen)
+    for _ in range(2):  # the second round rewrites both slots: no cached copy of the first may survive
+        pairs = {s: {"gate_proj": (torch.randn(r, 64, generator=gen) / 8, torch.randn(48, r, generator=gen)),
+                     "up_proj": (torch.randn(r, 64, generator=gen) / 8, torch.randn(16, r, generator=gen))}
+                 for s, r in ((0, 7), (2, 13))}
+        for slot, p in pairs.items():
+            layer.set_slot(slot, p)
+        base = x.double() @ layer.weight.double().t()
+        expected = base.clone()
+        for row, slot in enumerate((0, None, 2, 2, 0)):
+            if slot is not None:
+                expected[row] += torch.cat([b.bfloat16().double() @ (a.bfloat16().double() @ x[row].double())
+                                            for a, b in pairs[slot].values()])
+        for kernels in ("torch", "sgmv"):
+            use_lora_kernels(model, kernels, max_tokens=8)
+            torch.testing.assert_close(layer(x, batch).double(), expected, rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="already holds an adapter"):
+        use_lora_dtype(model, torch.float32)
+
+
+def bfloat16_exact(folder: Path, out: Path) -> Path:
+    """A copy of the PEFT adapter at ``folder`` with every weight rounded to bfloat16 (stored as float32).
+    Its alpha / r is a power of two, so the scale-folded B is bfloat16-exact too."""
+    config = json.loads((folder / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    assert scale == 2.0 ** round(torch.tensor(scale).log2().item()), "the fold must stay exact"
+    out.mkdir(parents=True)
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    tensors = load_file(folder / "adapter_model.safetensors")
+    save_file({k: v.bfloat16().float() for k, v in tensors.items()}, out / "adapter_model.safetensors")
+    return out
+
+
+@pytest.fixture(scope="module")
+def exact_adapters(tiny_llama_adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bf16-exact")
+    return {name: bfloat16_exact(folder, root / name) for name, folder in tiny_llama_adapters.items()}
+
+
+@pytest.mark.parametrize("kernels", ["sgmv", "torch"])
+def test_engine_with_bfloat16_adapters_equals_hf_peft(tiny_llama: Path, exact_adapters: dict[str, Path],
+                                                      kernels: str) -> None:
+    assert_mixed_batch_equals_hf_peft(tiny_llama, exact_adapters, num_prompts=8, lora_dtype="bfloat16",
+                                      lora_kernels=kernels)
+
+
+def test_host_tier_and_slots_hold_bfloat16(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> None:
+    held = {}
+    for dtype in EngineConfig.LORA_DTYPES:
+        llm = LLM(model=str(tiny_llama), max_loras=2, kv_cache_blocks=16, lora_dtype=dtype)
+        llm.load_adapter("r8_all", tiny_llama_adapters["r8_all"])
+        host = llm.engine.adapters.host
+        weights = host.get(host.ids()[0])
+        assert {t.dtype for pair in weights.modules.values() for t in pair} == {getattr(torch, dtype)}
+        linear = next(m for m in llm.engine.model.modules() if isinstance(m, LoRALinear))
+        assert linear.lora_a.dtype is getattr(torch, dtype) and linear.dora_scale.dtype is torch.float32
+        held[dtype] = host.nbytes
+    assert held["bfloat16"] * 2 == held["float32"]
+
+
+def test_bad_lora_dtype_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"EngineConfig.lora_dtype must be one of \('float32', 'bfloat16'\), "
+                                         r"got 'float16'"):
+        EngineConfig(lora_dtype="float16")
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--model", "m", "--lora-dtype", "bfloat16"])
+    assert engine_config(args, parser).lora_dtype == "bfloat16"
+    assert engine_config(parser.parse_args(["serve", "--model", "m"]), parser).lora_dtype == "float32"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--model", "m", "--lora-dtype", "fp8"])
