@@ -9,14 +9,18 @@ seven projections (token i reads adapter i % N; ``--sorted``: tokens grouped by 
 (``lora_ms`` = that step - the base step, with the LoRA kernels ``auto`` picks here;
 ``decode_step_lora_torch_ms`` / ``lora_torch_ms``: the same through the torch LoRA ops, interleaved) and the
 LoRA part's byte floor: the adapters' bytes over the
-read bandwidth of this machine measured in the same run (a sum over 256 MB). ``--clock cpu`` times with
+read bandwidth of this machine measured in the same run (a sum over 256 MB). ``--lora-dtype bfloat16`` runs
+the adapter steps on the same adapters rounded to bfloat16 slots (``EngineConfig.lora_dtype``), ``both``
+interleaves the two (``decode_step_lora_bf16_ms``, ``lora_bf16_ms``, its byte floor at half the bytes; the
+torch-ops LoRA step then runs on float32 slots only). ``--clock cpu`` times with
 ``time.process_time`` (steady on a busy host; use it with ``--threads 1``); ``--breakdown`` prints where
 each step's CPU time goes (``benchmarks/step_breakdown.py``). ``decode_step_torch_ops`` is the base step
 with the CPU step kernels off (``loraplex.ops.cpu_kernels``: the gather path and the torch pointwise
 ops), in the same interleaved loop. Prints tables; ``--out PATH`` writes JSON.
 
     python -m benchmarks.decode_step [--batch 32] [--context 100] [--iters 10] [--threads 2]
-        [--clock wall|cpu] [--adapters N [--sorted]] [--breakdown] [--out PATH]
+        [--clock wall|cpu] [--adapters N [--sorted] [--lora-dtype float32|bfloat16|both]] [--breakdown]
+        [--out PATH]
 """
 
 from __future__ import annotations
@@ -93,6 +97,25 @@ def with_lora_kernels(linears: list[LoRALinear], kernels: str, step: callable) -
             linear.lora_kernels = saved
 
 
+def bfloat16_slots(linears: list[LoRALinear]) -> dict[LoRALinear, tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's A and B slot buffers rounded to bfloat16 (B stays rank-major: ``.to`` keeps strides)."""
+    return {linear: (linear.lora_a.bfloat16(), linear.lora_b.bfloat16()) for linear in linears}
+
+
+def with_slots(slots: dict[LoRALinear, tuple[torch.Tensor, torch.Tensor]], step: callable) -> None:
+    """``step()`` with each layer's A and B buffers swapped for ``slots``' (same adapters), then back."""
+    saved = {linear: (linear.lora_a, linear.lora_b) for linear in slots}
+    for linear, (a, b) in slots.items():
+        linear.lora_a, linear.lora_b = a, b
+        linear.lora_cache.clear()
+    try:
+        step()
+    finally:
+        for linear, (a, b) in saved.items():
+            linear.lora_a, linear.lora_b = a, b
+            linear.lora_cache.clear()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=32)
@@ -102,6 +125,8 @@ def main() -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     parser.add_argument("--adapters", type=int, default=0)
     parser.add_argument("--sorted", action="store_true", help="tokens grouped by slot (with --adapters)")
+    parser.add_argument("--lora-dtype", choices=("float32", "bfloat16", "both"), default="float32",
+                        help="adapter slot dtype of the --adapters steps (both: interleaved)")
     parser.add_argument("--breakdown", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -127,9 +152,13 @@ def main() -> None:
     if args.adapters:
         adapter_bytes = write_adapters(model, args.adapters)
         mixed = lora_batch(args.batch, args.adapters, args.sorted)
-        steps["decode_step_lora"] = lambda: runner.execute(entries, mixed)
-        if lora_kernels != "torch":
-            linears = [m for m in model.modules() if isinstance(m, LoRALinear)]
+        linears = [m for m in model.modules() if isinstance(m, LoRALinear)]
+        bf16 = bfloat16_slots(linears) if args.lora_dtype != "float32" else {}
+        if args.lora_dtype != "bfloat16":
+            steps["decode_step_lora"] = lambda: runner.execute(entries, mixed)
+        if bf16:
+            steps["decode_step_lora_bf16"] = lambda: with_slots(bf16, lambda: runner.execute(entries, mixed))
+        if lora_kernels != "torch" and args.lora_dtype != "bfloat16":
             steps["decode_step_lora_torch"] = lambda: with_lora_kernels(
                 linears, "torch", lambda: runner.execute(entries, mixed))
     read_bytes, read_loop = read_bandwidth_loop()
@@ -144,7 +173,7 @@ def main() -> None:
                     times[name].append((clock() - start) * 1e3)
         breakdowns = {name: step_breakdown(step, args.iters) for name, step in steps.items()} if args.breakdown else {}
     result = {"batch": args.batch, "context": args.context, "threads": args.threads, "clock": args.clock,
-              "load_average": os.getloadavg()[0]}
+              "load_average": os.getloadavg()[0], "lora_dtype": args.lora_dtype}
     result.update({f"{name}_ms": statistics.median(t) for name, t in times.items()})
     result["read_gb_s"] = read_bytes / result["read_256MB_ms"] / 1e6
     result["ratio"] = result["decode_step_ms"] / result["gemm_floor_ms"]
@@ -159,7 +188,14 @@ def main() -> None:
           f"{result['ratio']:>6.3f} {result['packed_gemm_floor_ms']:>15.1f} {result['ratio_to_packed']:>6.3f}")
     print(f"kernels off (torch ops): {result['decode_step_torch_ops_ms']:.1f} ms, "
           f"{result['torch_ops_ratio_to_packed']:.3f}x the packed floor")
-    if args.adapters:
+    if "decode_step_lora_bf16_ms" in result:
+        result.update(lora_bf16_ms=result["decode_step_lora_bf16_ms"] - result["decode_step_ms"],
+                      lora_byte_floor_bf16_ms=args.adapters * adapter_bytes / 2e6 / result["read_gb_s"],
+                      mixed_over_base_bf16=result["decode_step_ms"] / result["decode_step_lora_bf16_ms"])
+        print(f"\n{args.adapters} adapters in bfloat16 slots: step {result['decode_step_lora_bf16_ms']:.1f} ms, LoRA "
+              f"part {result['lora_bf16_ms']:.1f} ms, byte floor {result['lora_byte_floor_bf16_ms']:.1f} ms "
+              f"({args.adapters} x {adapter_bytes / 2e6:.1f} MB), base / mixed {result['mixed_over_base_bf16']:.3f}")
+    if "decode_step_lora_ms" in result:
         result.update(adapters=args.adapters, sorted=args.sorted, adapter_mb=adapter_bytes / 1e6,
                       lora_ms=result["decode_step_lora_ms"] - result["decode_step_ms"],
                       lora_byte_floor_ms=args.adapters * adapter_bytes / 1e6 / result["read_gb_s"],
