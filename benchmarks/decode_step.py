@@ -16,7 +16,9 @@ torch-ops LoRA step then runs on float32 slots only). ``--clock cpu`` times with
 ``time.process_time`` (steady on a busy host; use it with ``--threads 1``); ``--breakdown`` prints where
 each step's CPU time goes (``benchmarks/step_breakdown.py``). ``decode_step_torch_ops`` is the base step
 with the CPU step kernels off (``loraplex.ops.cpu_kernels``: the gather path and the torch pointwise
-ops), in the same interleaved loop. Prints tables; ``--out PATH`` writes JSON.
+ops), ``decode_step_unfused`` the base step with only the fused ones off (rotary + K/V write + attention
+in one kernel, each residual add fused with the next norm), in the same interleaved loop. Prints tables;
+``--out PATH`` writes JSON.
 
     python -m benchmarks.decode_step [--batch 32] [--context 100] [--iters 10] [--threads 2]
         [--clock wall|cpu] [--adapters N [--sorted] [--lora-dtype float32|bfloat16|both]] [--breakdown]
@@ -39,7 +41,9 @@ from benchmarks.common import matmul_floors
 from benchmarks.step_breakdown import step_breakdown
 from loraplex.engine.kv_cache import BlockManager, KVCache
 from loraplex.engine.runner import ModelRunner, StepEntry
+from loraplex.layers import self_attention
 from loraplex.layers.lora_linear import LoRALinear, use_lora_kernels
+from loraplex.layers.norms import RMSNorm
 from loraplex.models.base import CausalLM
 from loraplex.models.embedded import embedded_checkpoint
 from loraplex.models.loader import load_model
@@ -83,6 +87,23 @@ def torch_ops(runner: ModelRunner, entries: list[StepEntry]) -> None:
         runner.execute(entries, None)
     finally:
         cpu_kernels.for_tensors = for_tensors
+
+
+def unfused(runner: ModelRunner, entries: list[StepEntry]) -> None:
+    """One base step with the fused kernels off: rotary, the K/V write + attention, each residual add and
+    each norm as separate calls (the kernels' step before ``decode_attention_qkv`` / ``add_rms_norm``)."""
+    fused_attention, add_and_norm = self_attention.fused_decode_attention, RMSNorm.add_and_norm
+
+    def separate(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = residual + x
+        return hidden, norm(hidden)
+
+    self_attention.fused_decode_attention = lambda *args, **kwargs: None
+    RMSNorm.add_and_norm = separate
+    try:
+        runner.execute(entries, None)
+    finally:
+        self_attention.fused_decode_attention, RMSNorm.add_and_norm = fused_attention, add_and_norm
 
 
 def with_lora_kernels(linears: list[LoRALinear], kernels: str, step: callable) -> None:
@@ -148,6 +169,7 @@ def main() -> None:
     lora_kernels = resolve_lora_kernels("auto", torch.device("cpu"))
     use_lora_kernels(model, lora_kernels, 0)
     steps = {"decode_step": lambda: runner.execute(entries, None),
+             "decode_step_unfused": lambda: unfused(runner, entries),
              "decode_step_torch_ops": lambda: torch_ops(runner, entries)}
     if args.adapters:
         adapter_bytes = write_adapters(model, args.adapters)
@@ -179,6 +201,7 @@ def main() -> None:
     result["ratio"] = result["decode_step_ms"] / result["gemm_floor_ms"]
     result["ratio_to_packed"] = result["decode_step_ms"] / result["packed_gemm_floor_ms"]
     result["torch_ops_ratio_to_packed"] = result["decode_step_torch_ops_ms"] / result["packed_gemm_floor_ms"]
+    result["unfused_ratio_to_packed"] = result["decode_step_unfused_ms"] / result["packed_gemm_floor_ms"]
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cpus (load {load}), "
           f"torch {torch.__version__}, {args.threads} threads, {args.clock} clock")
@@ -186,6 +209,8 @@ def main() -> None:
           f"{'packed_floor_ms':>15} {'ratio':>6}")
     print(f"{args.batch:>5} {args.context:>7} {result['decode_step_ms']:>14.1f} {result['gemm_floor_ms']:>13.1f} "
           f"{result['ratio']:>6.3f} {result['packed_gemm_floor_ms']:>15.1f} {result['ratio_to_packed']:>6.3f}")
+    print(f"fused kernels off (separate rotary, attention, adds, norms): {result['decode_step_unfused_ms']:.1f} ms, "
+          f"{result['unfused_ratio_to_packed']:.3f}x the packed floor")
     print(f"kernels off (torch ops): {result['decode_step_torch_ops_ms']:.1f} ms, "
           f"{result['torch_ops_ratio_to_packed']:.3f}x the packed floor")
     if "decode_step_lora_bf16_ms" in result:

@@ -5,7 +5,9 @@ with its KV write, norms, rotary, the MLP's activation, the attention block's an
 glue, the runner's metadata) for the duration of a ``with`` block; each wrapper charges the time spent in
 its function *minus* the time of the wrapped functions it calls, so the categories add up to the step
 (what no wrapper covers is ``rest``: embedding, logits row selection, Python between calls). Measure with
-one thread: with more, CPU time also counts the OpenMP workers' time.
+one thread: with more, CPU time also counts the OpenMP workers' time. Where kernels fuse parts, the time
+goes to one category: ``attention + KV write`` holds rotary in a fused decode step
+(``fused_decode_attention``), ``norms`` the residual adds fused with them (``RMSNorm.add_and_norm``).
 """
 
 from __future__ import annotations
@@ -27,12 +29,16 @@ TARGETS: list[tuple[Any, str, str]] = [
     (lora_linear, "add_lora", "lora"),
     (lora_linear, "add_lora_sgmv", "lora"),
     (self_attention, "paged_attention", "attention + KV write"),
+    (self_attention, "fused_decode_attention", "attention + KV write"),  # rotary included
     (norms.RMSNorm, "forward", "norms"),
+    (norms.RMSNorm, "add_and_norm", "norms"),  # residual add included
     (self_attention, "apply_rotary", "rotary"),
     (rotary.RotaryEmbedding, "cos_sin", "rotary"),
     (mlp.GatedMLP, "forward", "mlp activation + glue"),
     (self_attention.SelfAttention, "forward", "attention block glue"),
     (llama.LlamaDecoderLayer, "forward", "layer glue (residual adds)"),
+    (llama.LlamaDecoderLayer, "residual_forward", "layer glue (residual adds)"),
+    (llama.LlamaForCausalLM, "run_layers", "layer glue (residual adds)"),
     (lora_linear.LoRALinear, "forward", "LoRALinear glue"),
     (runner, "prepare_step", "step metadata"),
 ]

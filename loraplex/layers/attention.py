@@ -150,6 +150,23 @@ def _context_attention(q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpa
                                           scale=scale, enable_gqa=True)
 
 
+def fused_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor,
+                           attn: AttentionMetadata, heads: int, window: int | None = None,
+                           scale: float | None = None) -> torch.Tensor | None:
+    """A pure decode step on the CPU in one kernel: ``qkv [T, (H + 2 KV) d]`` (the packed projection's
+    output) -> ``[T, H * d]``, equal to rotary on q and k (``apply_rotary``), then ``paged_attention``, then
+    a reshape. None (nothing done) where that kernel does not apply: the caller runs those steps."""
+    if not (attn.all_decode and cos.is_contiguous() and signed_sin.is_contiguous()):
+        return None
+    kernels = cpu_kernels.for_tensors(qkv, kv_cache, cos, signed_sin)
+    if kernels is None:
+        return None
+    keys = attn.plan(window).decode
+    d = kv_cache.shape[-1]
+    return kernels.decode_attention_qkv(qkv, cos, signed_sin, kv_cache, keys.block_tables, keys.first, keys.end,
+                                        d**-0.5 if scale is None else scale, heads)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -31,3 +31,15 @@ class RMSNorm(nn.Module):
         if self.offset:
             return (normed * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * normed.to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Semantics: ``h = residual + x``; returns ``(h, self(h))``, the residual stream and its norm, with
+        the same arithmetic as the add and ``forward`` separately. ``x`` is a block's fresh output that the
+        caller gives up: float32 rows ``[T, hidden]`` on a CPU run as one kernel (vLLM's
+        ``fused_add_rms_norm``) that writes ``h`` into ``x`` and returns ``(x, normed)``."""
+        rows = x.dim() == 2 and x.stride(-1) == 1 and residual.dim() == 2 and residual.stride(-1) == 1
+        kernels = cpu_kernels.for_tensors(x, residual) if rows else None
+        if kernels is not None:
+            return x, kernels.add_rms_norm(x, residual, self.weight, self.eps, self.offset)
+        hidden = residual + x
+        return hidden, self(hidden)

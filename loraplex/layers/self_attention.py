@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loraplex.layers.attention import AttentionMetadata, paged_attention
+from loraplex.layers.attention import AttentionMetadata, fused_decode_attention, paged_attention
 from loraplex.layers.lora_linear import LoRALinear
 from loraplex.layers.norms import RMSNorm
 from loraplex.layers.rotary import apply_rotary
@@ -18,7 +18,8 @@ from loraplex.ops.lora_batch import LoRABatch
 class SelfAttention(nn.Module):
     """Semantics: ``[q, k, v] = qkv_proj(x)`` split by heads; ``q, k = rope(q_norm(q)), rope(k_norm(k))``
     (norms per head over ``d``, when given); ``y = o_proj(paged_attention(q, k, v, window, scale))``.
-    Shapes: x ``[T, hidden]`` -> ``[T, hidden]``; ``qkv_proj`` is ``hidden -> (H + 2 KV) d``."""
+    Shapes: x ``[T, hidden]`` -> ``[T, hidden]``; ``qkv_proj`` is ``hidden -> (H + 2 KV) d``. A decode step
+    on the CPU without q/k norms takes rotary, the K/V write and attention from ``qkv`` in one kernel."""
 
     def __init__(self, qkv_proj: LoRALinear, o_proj: LoRALinear, num_heads: int, num_kv_heads: int,
                  head_dim: int, window: int | None = None, scale: float | None = None,
@@ -35,6 +36,10 @@ class SelfAttention(nn.Module):
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x, lora)  # [T, (H + 2KV) d]
+        if self.q_norm is None:
+            out = fused_decode_attention(qkv, cos, sin, kv_cache, attn, h, self.window, self.scale)
+            if out is not None:
+                return self.o_proj(out, lora)
         qk = qkv[:, : (h + kvh) * d].view(t, h + kvh, d)  # [T, H + KV, d]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)

@@ -163,9 +163,14 @@ class CausalLM(nn.Module):
         """
         hidden = self.embed(input_ids, lora)  # [T, hidden]
         rope = self.rope_tables(positions, attn.seq_lens, hidden.dtype)
+        return self.logits(self.run_layers(hidden, rope, attn, kv_caches, lora), logits_rows, lora)
+
+    def run_layers(self, hidden: torch.Tensor, rope: Any, attn: AttentionMetadata, kv_caches: Sequence[torch.Tensor],
+                   lora: LoRABatch | None) -> torch.Tensor:
+        """Every block in order on ``hidden [T, hidden]``; a family may fuse across blocks (Llama does)."""
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, rope, attn, kv_cache, lora)
-        return self.logits(hidden, logits_rows, lora)
+        return hidden
 
     def prepare(self, weights: AdapterModules) -> AdapterModules:
         """Fold what is constant per adapter version against the base weights (DoRA scales, vocabulary

@@ -10,7 +10,7 @@ projections are packed into four ``LoRALinear`` layers (``qkv_proj``, ``o_proj``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -61,8 +61,22 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
                 kv_cache: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), *rope, attn, kv_cache, lora)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
+        hidden, mlp_out = self.residual_forward(hidden, None, rope, attn, kv_cache, lora)
+        return hidden + mlp_out
+
+    def residual_forward(self, hidden: torch.Tensor, pending: torch.Tensor | None,
+                         rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata, kv_cache: torch.Tensor,
+                         lora: LoRABatch | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block with the last residual add left to the caller: the block's input is ``hidden + pending``
+        (``hidden`` when ``pending`` is None; ``pending`` is given up: it may be overwritten), its output
+        ``h + mlp_out`` for the returned ``(h, mlp_out)``. Each add runs fused with the norm after it."""
+        if pending is None:
+            normed = self.input_layernorm(hidden)
+        else:
+            hidden, normed = self.input_layernorm.add_and_norm(pending, hidden)
+        attended = self.self_attn(normed, *rope, attn, kv_cache, lora)
+        hidden, normed = self.post_attention_layernorm.add_and_norm(attended, hidden)
+        return hidden, self.mlp(normed, lora)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -75,3 +89,11 @@ class LlamaForCausalLM(CausalLM):
 
     def make_layer(self, index: int) -> LlamaDecoderLayer:
         return LlamaDecoderLayer(self, index)
+
+    def run_layers(self, hidden: torch.Tensor, rope: Any, attn: AttentionMetadata, kv_caches: Sequence[torch.Tensor],
+                   lora: LoRABatch | None) -> torch.Tensor:
+        """Each block's last residual add fused with the next block's first norm (``residual_forward``)."""
+        pending = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, pending = layer.residual_forward(hidden, pending, rope, attn, kv_cache, lora)
+        return hidden if pending is None else hidden + pending

@@ -31,36 +31,72 @@ void check_rows(const torch::Tensor& x, const char* name) {
 
 }  // namespace
 
+namespace {
+
+// out = rms_norm(row) as the Semantics of rms_norm below state (one row of n floats)
+void norm_row(const float* row, const float* wp, int64_t n, float eps, float offset, float* out) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(row + i);
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+  }
+  float sum = hsum(acc);
+  for (; i < n; ++i) sum += row[i] * row[i];
+  const float r = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  if (offset != 0.0f) {
+    for (i = 0; i < n; ++i) out[i] = (row[i] * r) * (offset + wp[i]);
+  } else {
+    for (i = 0; i < n; ++i) out[i] = wp[i] * (row[i] * r);
+  }
+}
+
+void check_weight(const torch::Tensor& weight, int64_t n, const char* name) {
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == torch::kFloat &&
+                  weight.is_contiguous(), name, ": weight must be a contiguous float32 [n] tensor");
+}
+
+}  // namespace
+
 // Semantics: y[t] = (x[t] * r[t]) * (offset + weight) with r[t] = 1 / sqrt(sum_i x[t, i]^2 / n + eps);
 // offset 0 multiplies by weight alone (Llama's order: weight * normed). x [T, n], weight [n] -> y [T, n].
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, double offset) {
   check_rows(x, "rms_norm");
   const int64_t rows = x.size(0), n = x.size(1), ldx = x.stride(0);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == torch::kFloat &&
-                  weight.is_contiguous(), "rms_norm: weight must be a contiguous float32 [n] tensor");
+  check_weight(weight, n, "rms_norm");
   auto y = torch::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const float eps_f = static_cast<float>(eps), offset_f = static_cast<float>(offset);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) norm_row(xp + t * ldx, wp, n, eps, offset, yp + t * n);
+  });
+  return y;
+}
+
+// Semantics: x[t] = residual[t] + x[t] (in place: x becomes the new residual stream), then
+// y[t] = rms_norm(x[t]) exactly as rms_norm computes it: the residual add and the next norm in one pass
+// (vLLM's fused_add_rms_norm). x, residual [T, n] (unit inner stride; x writable), weight [n] -> y [T, n].
+torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& weight, double eps,
+                           double offset) {
+  check_rows(x, "add_rms_norm");
+  check_rows(residual, "add_rms_norm");
+  const int64_t rows = x.size(0), n = x.size(1), ldx = x.stride(0), ldr = residual.stride(0);
+  TORCH_CHECK(residual.size(0) == rows && residual.size(1) == n, "add_rms_norm: x and residual shapes differ");
+  check_weight(weight, n, "add_rms_norm");
+  auto y = torch::empty({rows, n}, x.options());
+  float* xp = x.data_ptr<float>();
+  const float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
   at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* row = xp + t * ldx;
-      float* out = yp + t * n;
-      __m256 acc = _mm256_setzero_ps();
+      float* row = xp + t * ldx;
+      const float* res = rp + t * ldr;
       int64_t i = 0;
-      for (; i + 8 <= n; i += 8) {
-        const __m256 v = _mm256_loadu_ps(row + i);
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
-      }
-      float sum = hsum(acc);
-      for (; i < n; ++i) sum += row[i] * row[i];
-      const float r = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps_f);
-      if (offset_f != 0.0f) {
-        for (i = 0; i < n; ++i) out[i] = (row[i] * r) * (offset_f + wp[i]);
-      } else {
-        for (i = 0; i < n; ++i) out[i] = wp[i] * (row[i] * r);
-      }
+      for (; i + 8 <= n; i += 8) _mm256_storeu_ps(row + i, _mm256_add_ps(_mm256_loadu_ps(res + i), _mm256_loadu_ps(row + i)));
+      for (; i < n; ++i) row[i] = res[i] + row[i];
+      norm_row(row, wp, n, eps, offset, yp + t * n);
     }
   });
   return y;
@@ -90,13 +126,20 @@ torch::Tensor silu_mul(const torch::Tensor& x) {
   return y;
 }
 
+// One head of the rotary below (shared with decode_attention_qkv in fused_decode.cpp, so both round alike).
+void rotate_head(const float* in, const float* c, const float* s, int64_t d, float* out) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) out[i] = in[i] * c[i] + in[i + half] * s[i];
+  for (int64_t i = half; i < d; ++i) out[i] = in[i] * c[i] + in[i - half] * s[i];
+}
+
 // Semantics: y[t, h] = x[t, h] * cos[t] + cat(x2, x1)[t, h] * signed_sin[t] with x1, x2 the halves of x[t, h]
 // (HF's rotate_half convention, signed_sin = cat(-sin, sin)). x [T, heads, d] (any strides but a unit inner
 // one), cos / signed_sin [T, 1, d] contiguous -> y [T, heads, d].
 torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.stride(2) == 1 && x.device().is_cpu(),
               "rotary: x must be a CPU float32 [T, heads, d] tensor with unit inner stride");
-  const int64_t rows = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  const int64_t rows = x.size(0), heads = x.size(1), d = x.size(2);
   TORCH_CHECK(d % 2 == 0, "rotary: head_dim must be even");
   for (const auto* t : {&cos, &signed_sin}) {
     TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->numel() == rows * d,
@@ -113,10 +156,7 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
       const float* c = cp + t * d;
       const float* s = sp + t * d;
       for (int64_t h = 0; h < heads; ++h) {
-        const float* in = xp + t * s0 + h * s1;
-        float* out = yp + (t * heads + h) * d;
-        for (int64_t i = 0; i < half; ++i) out[i] = in[i] * c[i] + in[i + half] * s[i];
-        for (int64_t i = half; i < d; ++i) out[i] = in[i] * c[i] + in[i - half] * s[i];
+        rotate_head(xp + t * s0 + h * s1, c, s, d, yp + (t * heads + h) * d);
       }
     }
   });

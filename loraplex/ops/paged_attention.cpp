@@ -186,15 +186,12 @@ constexpr AttendFn kAttend[kMaxHeads + 1] = {nullptr, attend<1>, attend<2>, atte
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
-                                     const torch::Tensor& first, const torch::Tensor& end, double scale,
-                                     const c10::optional<torch::Tensor>& k_new,
-                                     const c10::optional<torch::Tensor>& v_new) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.stride(2) == 1 && q.device().is_cpu(),
-              "paged_decode_attention: q must be a CPU float32 [S, H, d] tensor with unit inner stride");
+// Checks q's and the cache's shapes and every block the attention of ``seqs`` sequences will read (before any
+// read): shared by both entry points (this one and decode_attention_qkv in fused_decode.cpp).
+void check_decode_reads(int64_t seqs, int64_t heads, int64_t d, const torch::Tensor& cache,
+                        const torch::Tensor& tables, const torch::Tensor& first, const torch::Tensor& end) {
   TORCH_CHECK(cache.dim() == 5 && cache.size(1) == 2 && cache.scalar_type() == torch::kFloat && cache.is_contiguous(),
               "paged_decode_attention: cache must be a contiguous float32 [N, 2, KV, bs, d] tensor");
-  const int64_t seqs = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t num_blocks = cache.size(0), kv_heads = cache.size(2), bs = cache.size(3);
   TORCH_CHECK(cache.size(4) == d && heads % kv_heads == 0, "paged_decode_attention: q and cache shapes disagree");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == seqs && tables.scalar_type() == torch::kLong &&
@@ -202,11 +199,11 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(first.numel() == seqs && end.numel() == seqs && first.scalar_type() == torch::kLong &&
                   end.scalar_type() == torch::kLong && first.is_contiguous() && end.is_contiguous(),
               "paged_decode_attention: first and end must be contiguous int64 [S]");
-  const int64_t group = heads / kv_heads, max_blocks = tables.size(1);
+  const int64_t max_blocks = tables.size(1);
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* fp = first.data_ptr<int64_t>();
   const int64_t* ep = end.data_ptr<int64_t>();
-  for (int64_t s = 0; s < seqs; ++s) {  // validate every block the kernel will read before reading any
+  for (int64_t s = 0; s < seqs; ++s) {
     TORCH_CHECK(0 <= fp[s] && fp[s] < ep[s] && ep[s] <= max_blocks * bs,
                 "paged_decode_attention: sequence ", s, " reads keys [", fp[s], ", ", ep[s], ") outside its table");
     for (int64_t b = fp[s] / bs; b <= (ep[s] - 1) / bs; ++b) {
@@ -214,29 +211,18 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                   "paged_decode_attention: block id out of range");
     }
   }
-  TORCH_CHECK(k_new.has_value() == v_new.has_value(), "paged_decode_attention: give both k_new and v_new or neither");
-  if (k_new.has_value()) {  // the step's KV write, before any read: all rows, then the parallel attention
-    float* base = cache.data_ptr<float>();
-    for (int kv = 0; kv < 2; ++kv) {
-      const torch::Tensor& src = kv == 0 ? *k_new : *v_new;
-      TORCH_CHECK(src.dim() == 3 && src.size(0) == seqs && src.size(1) == kv_heads && src.size(2) == d &&
-                      src.scalar_type() == torch::kFloat && src.stride(2) == 1,
-                  "paged_decode_attention: k_new and v_new must be float32 [S, KV, d] with unit inner stride");
-      const float* sp = src.data_ptr<float>();
-      for (int64_t s = 0; s < seqs; ++s) {
-        const int64_t pos = ep[s] - 1, block = tp[s * max_blocks + pos / bs];
-        for (int64_t h = 0; h < kv_heads; ++h) {
-          std::copy_n(sp + s * src.stride(0) + h * src.stride(1), d,
-                      base + (((block * 2 + kv) * kv_heads + h) * bs + pos % bs) * d);
-        }
-      }
-    }
-  }
-  auto out = torch::empty({seqs, heads, d}, q.options());
-  const float* qp = q.data_ptr<float>();
+}
+
+// The attention of checked inputs: q rows at strides (qs0, qs1) -> out [seqs, heads, d] contiguous at op.
+void attend_decode(const float* qp, int64_t qs0, int64_t qs1, int64_t seqs, int64_t heads, const torch::Tensor& cache,
+                   const torch::Tensor& tables, const torch::Tensor& first, const torch::Tensor& end, double scale,
+                   float* op) {
+  const int64_t kv_heads = cache.size(2), bs = cache.size(3), d = cache.size(4);
+  const int64_t group = heads / kv_heads, max_blocks = tables.size(1);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* fp = first.data_ptr<int64_t>();
+  const int64_t* ep = end.data_ptr<int64_t>();
   const float* cp = cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const float sc = static_cast<float>(scale);
   auto first_run = [&](int64_t item) {  // the first K run item (s, h) reads
     const int64_t s = item / kv_heads;
@@ -257,5 +243,39 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       }
     }
   });
+}
+
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
+                                     const torch::Tensor& first, const torch::Tensor& end, double scale,
+                                     const c10::optional<torch::Tensor>& k_new,
+                                     const c10::optional<torch::Tensor>& v_new) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.stride(2) == 1 && q.device().is_cpu(),
+              "paged_decode_attention: q must be a CPU float32 [S, H, d] tensor with unit inner stride");
+  const int64_t seqs = q.size(0), heads = q.size(1), d = q.size(2);
+  check_decode_reads(seqs, heads, d, cache, tables, first, end);
+  TORCH_CHECK(k_new.has_value() == v_new.has_value(), "paged_decode_attention: give both k_new and v_new or neither");
+  if (k_new.has_value()) {  // the step's KV write, before any read: all rows, then the parallel attention
+    const int64_t kv_heads = cache.size(2), bs = cache.size(3), max_blocks = tables.size(1);
+    const int64_t* tp = tables.data_ptr<int64_t>();
+    const int64_t* ep = end.data_ptr<int64_t>();
+    float* base = cache.data_ptr<float>();
+    for (int kv = 0; kv < 2; ++kv) {
+      const torch::Tensor& src = kv == 0 ? *k_new : *v_new;
+      TORCH_CHECK(src.dim() == 3 && src.size(0) == seqs && src.size(1) == kv_heads && src.size(2) == d &&
+                      src.scalar_type() == torch::kFloat && src.stride(2) == 1,
+                  "paged_decode_attention: k_new and v_new must be float32 [S, KV, d] with unit inner stride");
+      const float* sp = src.data_ptr<float>();
+      for (int64_t s = 0; s < seqs; ++s) {
+        const int64_t pos = ep[s] - 1, block = tp[s * max_blocks + pos / bs];
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          std::copy_n(sp + s * src.stride(0) + h * src.stride(1), d,
+                      base + (((block * 2 + kv) * kv_heads + h) * bs + pos % bs) * d);
+        }
+      }
+    }
+  }
+  auto out = torch::empty({seqs, heads, d}, q.options());
+  attend_decode(q.data_ptr<float>(), q.stride(0), q.stride(1), seqs, heads, cache, tables, first, end, scale,
+                out.data_ptr<float>());
   return out;
 }
