@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from loraplex import LLM, SamplingParams
-from loraplex.ops.int8 import Int8Weight, kernel, quantize
+from loraplex.ops.int8 import Int8Weight, dequantize, kernel, kernel_build, quantize
 from tests.conftest import ADAPTER_SPECS, family_targets
 from tests.fixtures import write_peft_adapter
 from tests.reference import hf_model, with_adapter
@@ -54,6 +54,46 @@ def test_kernel_is_used_on_avx2() -> None:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("no AVX2: the dequantizing path serves int8")
     assert kernel() is not None and Int8Weight.from_float(torch.randn(20, 8)).packed
+
+
+# The kernel builds this CPU runs: AVX2 on every supported CPU, AVX-512 too where torch reports it.
+BUILDS = ["avx2", "avx512"] if torch.backends.cpu.get_cpu_capability() == "AVX512" else ["avx2"]
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_kernel_builds_match_float64_and_do_not_depend_on_the_batch(isa: str) -> None:
+    """Each build against the float64 product on shapes that exercise every tile (1-33 rows: register and
+    scratch paths, uneven row splits; 1-11 blocks: groups of 8, 4, 2 and 1, a partial last block), and
+    every row of a batch bitwise equal to that row multiplied alone."""
+    module = kernel_build(isa)
+    assert module is not None
+    gen = torch.Generator().manual_seed(17)
+    for n, k in ((5, 16), (37, 130), (176, 64), (100, 33)):
+        q, scale = quantize(torch.randn(n, k, generator=gen))
+        packed, bias = module.pack(q), torch.randn(n, generator=gen)
+        x = torch.randn(33, k + 2, generator=gen)[:, 2:]  # strided rows, as in the model
+        full = module.linear(x, packed, scale, bias)
+        expected = x.double() @ dequantize(q, scale).double().t() + bias.double()
+        torch.testing.assert_close(full.double(), expected, rtol=1e-5, atol=1e-5)
+        for rows in (1, 2, 3, 4, 5, 7, 12, 13, 23, 32):
+            assert torch.equal(module.linear(x[:rows], packed, scale, bias), full[:rows]), (n, k, rows)
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="needs an AVX-512 CPU")
+def test_avx512_build_is_chosen_and_bitwise_equal_to_avx2() -> None:
+    """On AVX-512 CPUs ``kernel()`` is the AVX-512 build, and it gives bitwise the AVX2 build's results
+    (the same FMA chain per element), for every batch size from 1 to 40."""
+    avx2, avx512 = kernel_build("avx2"), kernel_build("avx512")
+    assert kernel() is avx512 and avx2 is not avx512
+    gen = torch.Generator().manual_seed(3)
+    for n, k in ((48, 64), (37, 130), (200, 576)):
+        q, scale = quantize(torch.randn(n, k, generator=gen))
+        packed, bias = avx2.pack(q), torch.randn(n, generator=gen)
+        assert torch.equal(avx512.pack(q), packed)
+        for rows in range(1, 41):
+            x = torch.randn(rows, k, generator=gen)
+            for b in (bias, None):
+                assert torch.equal(avx512.linear(x, packed, scale, b), avx2.linear(x, packed, scale, b)), (n, k, rows)
 
 
 def dequantized_checkpoint(base: Path, folder: Path) -> Path:

@@ -6,11 +6,13 @@ Semantics: ``quantize(W) = (q, s)`` with ``s[n] = max_k |W[n, k]| / 127`` (1 for
 q ``[out, in]`` int8, s ``[out]`` float32 -> ``[T, out]``. Activations are never quantized, so each row's
 result depends on that row alone (a request's output does not depend on its batch).
 
-On x86 CPUs with AVX2 the matmul runs a small C++ kernel (``int8_gemm.cpp``: 6x16 register tiles that
-convert each weight byte to float once per 6 rows), built with the system compiler by
-``torch.utils.cpp_extension`` at first use and cached; it reads a quarter of float32's weight bytes.
-Where it cannot be built or used (other CPUs, CUDA, no compiler) the weight is dequantized per call
-and ``F.linear`` runs: the same numbers, at float32 speed or less.
+On x86 CPUs the matmul runs a small C++ kernel (``int8_gemm.cpp``), built with the system compiler by
+``torch.utils.cpp_extension`` at first use and cached; it reads a quarter of float32's weight bytes. One
+source, two builds chosen at run time by ``torch.backends.cpu.get_cpu_capability()``: ``"avx512"``
+(``-mavx512f``: 16 channels per register, 12x32 tiles) where it reports AVX512, else ``"avx2"`` (6x16
+tiles). Both sum every output element in the same order, so they give bitwise the same result, whatever
+the batch. Where neither can be built or used (other CPUs, CUDA, no compiler) the weight is dequantized
+per call and ``F.linear`` runs: the same numbers, at float32 speed or less.
 """
 
 from __future__ import annotations
@@ -42,11 +44,29 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     return (q.to(torch.float32) * scale[:, None]).to(dtype)
 
 
+# The kernel's builds: name -> compiler flags (the source picks its vector width from ``__AVX512F__``).
+# ``-ffp-contract=off``: only the source's explicit fused multiply-adds, so both builds round alike.
+ISA_FLAGS: dict[str, list[str]] = {
+    "avx2": ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"],
+    "avx512": ["-O3", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-ffp-contract=off"],
+}
+
+
+@functools.cache
+def kernel_build(isa: str) -> ModuleType | None:
+    """The kernel built for ``isa`` (a key of ``ISA_FLAGS``), or None where it cannot be built (logged
+    once). Only call it for an ISA this CPU runs (``kernel()`` chooses)."""
+    return build_cpu_extension(f"loraplex_int8_gemm_{isa}", f"int8 kernel ({isa})", [_KERNEL_SOURCE], ISA_FLAGS[isa],
+                               "int8 matmuls dequantize per call")
+
+
 @functools.cache
 def kernel() -> ModuleType | None:
-    """The compiled AVX2 kernel module, or None where it cannot be built (logged once)."""
-    return build_cpu_extension("loraplex_int8_gemm", "int8 kernel", [_KERNEL_SOURCE], ["-O3", "-mavx2", "-mfma"],
-                               "int8 matmuls dequantize per call")
+    """The kernel for this CPU: the AVX-512 build where ``get_cpu_capability()`` is AVX512 (falling back to
+    AVX2 if it does not build), the AVX2 one on AVX2 CPUs, None elsewhere or where none builds."""
+    if torch.backends.cpu.get_cpu_capability() == "AVX512" and (module := kernel_build("avx512")) is not None:
+        return module
+    return kernel_build("avx2")
 
 
 @dataclass(frozen=True)
