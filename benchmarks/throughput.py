@@ -11,9 +11,11 @@ decode step (``decode_step_ms``): ``gemm_floor_ms`` with ``F.linear`` (what HF r
 Every engine is built first and stays up; then ``--repeats`` rounds run every workload in turn
 (interleaved, so host drift hits all alike) and the table reports the median and the range. All six
 engines and the HF model take ~12 GiB at once; ``--workloads base mixed8 mixed32`` keeps only some
-(the base model always runs: the ratios are to it) where memory is short.
+(the base model always runs: the ratios are to it) where memory is short. ``--lora-dtype bfloat16`` stores
+every engine's adapters in bfloat16 (``EngineConfig.lora_dtype``).
 
     python -m benchmarks.throughput [--out results.json] [--tokens 64] [--repeats 3] [--workloads KEY ...]
+        [--lora-dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -129,6 +131,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over all workloads (median)")
     parser.add_argument("--workloads", nargs="*", choices=WORKLOAD_KEYS, default=WORKLOAD_KEYS,
                         help="run only these (base always runs)")
+    parser.add_argument("--lora-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="adapter weight storage of every engine (EngineConfig.lora_dtype)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -150,11 +154,11 @@ def main() -> None:
     ]
     workloads = [w for w in workloads if w.key == "base" or w.key in args.workloads]
     for w in workloads:  # every engine stays up, so the rounds below interleave the workloads
-        w.llm = make_llm(**w.config)
+        w.llm = make_llm(**w.config, lora_dtype=args.lora_dtype)
         for name in sorted({a for a in w.adapters if a}):
             w.llm.load_adapter(name, adapters[name])
     tokenizer = workloads[0].llm.tokenizer
-    results: dict = {"machine": machine_line(), "repeats": args.repeats,
+    results: dict = {"machine": machine_line(), "repeats": args.repeats, "lora_dtype": args.lora_dtype,
                      **gemm_floor_ms(workloads[0].llm.engine.model)}
     hf_runs = []
     for _ in range(args.repeats):
@@ -174,7 +178,7 @@ def main() -> None:
                                     max(hf_runs), None))
     results["peak_rss_mib"] = peak_rss_mib()
 
-    print(f"\n{results['machine']}, median of {args.repeats} interleaved rounds\n")
+    print(f"\n{results['machine']}, median of {args.repeats} interleaved rounds, {args.lora_dtype} adapters\n")
     print(f"{'workload':40s} {'tok/s':>9s} {'range':>13s} {'decode step ms':>15s}")
     for label, tok_s, lo, hi, step_ms in rows:
         print(f"{label:40s} {tok_s:9.1f} {f'{lo:.0f}-{hi:.0f}':>13s} {'' if step_ms is None else f'{step_ms:.1f}':>15}")
