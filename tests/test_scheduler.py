@@ -4,6 +4,7 @@ scheduler's own post-step ``update`` with a stand-in token for every request tha
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 
 from loraplex.adapters.slots import SlotTable
 from loraplex.config import EngineConfig
@@ -13,10 +14,15 @@ from loraplex.engine.scheduler import Scheduler
 
 
 class Slots:
-    """The two calls the scheduler makes on ``AdapterManager``, over a real ``SlotTable``."""
+    """The calls the scheduler makes on ``AdapterManager``, over a real ``SlotTable``; ``read_ahead``
+    records the order it was given (every weight is in host memory here, nothing to read)."""
 
     def __init__(self, max_loras: int) -> None:
         self.table = SlotTable(max_loras)
+        self.wanted: list[list[int]] = []
+
+    def read_ahead(self, wanted: Iterable[int]) -> None:
+        self.wanted.append(list(wanted))
 
     def try_acquire(self, adapter_id: int) -> int | None:
         return self.table.acquire(adapter_id).slot if self.table.can_acquire(adapter_id) else None
@@ -54,6 +60,21 @@ def test_younger_requests_with_placeable_adapters_skip_ahead() -> None:
         scheduler.add(r)
     assert step(scheduler) == [reqs[0], reqs[2], reqs[3]]  # adapter 2 waits for the only slot
     assert list(scheduler.waiting) == [reqs[1]]
+
+
+def test_read_ahead_gets_the_waiting_adapters_in_admission_order() -> None:
+    """After each admission pass the manager learns which adapters the queue wants next, in order: base
+    requests and requests still holding their pin (preempted) need no read."""
+    scheduler, slots = make(max_loras=1, max_num_seqs=8)
+    reqs = [request(0, 5), request(1, None), request(2, 3), request(3, 5), request(4, 9), request(5, 3)]
+    for r in reqs:
+        scheduler.add(r)
+    assert step(scheduler) == [reqs[0], reqs[1], reqs[3]]
+    assert slots.wanted == [[], [3, 9, 3]]  # declared empty at construction, then after the pass
+    scheduler.preempt(reqs[0])  # keeps its pin: not wanted from disk
+    scheduler.add(request(6, 4))
+    step(scheduler)
+    assert slots.wanted[-1] == [3, 9, 3, 4]
 
 
 def test_starving_request_is_placed_despite_a_steady_stream() -> None:

@@ -9,12 +9,11 @@ LRU), device slots (``max_loras``, written through ``writer``).
   ``release_hold``; a retired version stays acquirable while any request holds it or a pin is left.
   When the last one ends, the version is *dropped*: its host weights, saved-rows reservation, tokenizer,
   slot and failure record go, and ``drain_dropped`` hands its id to the engine (its cached KV blocks).
-- Per request, ask then do: ``can_acquire(id)``, then ``acquire(id) -> slot`` (pins), and
-  ``release(id)`` when the request stops running. ``can_acquire`` is False while every slot is
-  pinned, or while the weights are not in host memory (it then starts a background re-read from
-  the adapter's folder; a re-read that fails or whose content hash differs marks the id failed with
-  ``AdapterContentChanged``: the one way a held version fails its queued requests). ``try_acquire``
-  does both atomically.
+- Per request, ask then do: ``can_acquire(id)``, then ``acquire(id) -> slot`` (pins), ``release(id)`` when
+  the request stops running; ``try_acquire`` does both atomically. ``can_acquire`` is False while every
+  slot is pinned, or while the weights are not in host memory: a background re-read from the folder then
+  starts if ``ReadAhead`` allows (``read_ahead(wanted)``: the scheduler's queue). A re-read that fails or
+  whose content hash differs fails the id with ``AdapterContentChanged`` (the one way a held version fails).
 - Per step, ``lora_batch(mapping)`` derives slot indices, memoised on (mapping, slot-table version).
 - ``load`` folds the version against the base weights once (``writer.prepare``: DoRA scales), reads its
   own tokenizer if it ships one, and reserves its saved vocabulary rows in ``SavedRowsBudget`` (kept
@@ -27,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,6 +37,7 @@ from loraplex.adapters.host_cache import HostCache
 from loraplex.adapters.info import AdapterCounters, AdapterInfo
 from loraplex.adapters.integrity import check_tiers
 from loraplex.adapters.peft_format import read_peft_adapter
+from loraplex.adapters.read_ahead import ReadAhead, read_ahead_depth
 from loraplex.adapters.rereads import Rereads
 from loraplex.adapters.slots import SlotTable, SlotWriter
 from loraplex.adapters.snapshot import tier_snapshot
@@ -69,7 +69,7 @@ class AdapterManager:
         self._failures: dict[int, AdapterError] = {}  # versions that can no longer be read (until dropped)
         self._written: list[str | None] = [None] * max_loras  # content hash handed to the writer per slot
         self._next_id = 1
-        self._rereads = Rereads(self._read, self._reread_done)
+        self._rereads = Rereads(self._read, self._reread_done, ReadAhead(read_ahead_depth(max_loras, max_cpu_loras)))
         self._indices = BatchIndices()
         self._checked_version = 0
 
@@ -111,8 +111,7 @@ class AdapterManager:
             return dropped
 
     def hold(self, name: str, adapter_id: int | None = None) -> AdapterInfo:
-        """``route`` for one engine request, which holds the version (it stays acquirable, even unloaded)
-        until ``release_hold``."""
+        """``route`` for one engine request, which holds the version (acquirable, even unloaded) until released."""
         with self._lock:
             return self.versions.hold(name, adapter_id)
 
@@ -131,8 +130,7 @@ class AdapterManager:
             return info.adapter_id
 
     def route(self, name: str, adapter_id: int | None = None) -> AdapterInfo:
-        """The version a new request of ``name`` runs on: ``adapter_id`` if given (it must still be held for
-        ``name``), else the split's next pick or the current version. Counts the request on it."""
+        """The version a new request of ``name`` runs on (``VersionTable.route``); counts the request on it."""
         with self._lock:
             return self.versions.route(name, adapter_id)
 
@@ -148,8 +146,7 @@ class AdapterManager:
 
     def info(self, adapter_id: int) -> AdapterInfo:
         with self._lock:
-            info = self._infos.get(adapter_id)
-            if info is None:
+            if (info := self._infos.get(adapter_id)) is None:
                 raise UnknownAdapter(f"no adapter with id {adapter_id}")
             return info
 
@@ -171,6 +168,13 @@ class AdapterManager:
                 self._rereads.start(self._infos[adapter_id])
                 return False
             return self.slot_table.can_acquire(adapter_id)
+
+    def read_ahead(self, wanted: Iterable[int]) -> None:
+        """``wanted``: versions in admission order; the first few not in a slot are read ahead (``ReadAhead``)."""
+        with self._lock:
+            for adapter_id in self._rereads.ahead.plan(wanted, self.slot_table.slot_of.__contains__):
+                if self.failure(adapter_id) is None and self.host.get(adapter_id) is None:
+                    self._rereads.start(self._infos[adapter_id])
 
     def acquire(self, adapter_id: int) -> int:
         """Pin ``adapter_id`` into a slot (writing it there if needed) and return the slot."""
@@ -220,13 +224,12 @@ class AdapterManager:
         self._rereads.wait(adapter_id, timeout)
 
     def lora_batch(self, mapping: BatchMapping) -> LoRABatch | None:
-        """Slot indices for ``mapping`` (None if no token uses an adapter), memoised on
-        (mapping, slot-table version). Raises RuntimeError if a mapped id is not pinned."""
+        """Slot indices (None if no token uses an adapter), memoised on (mapping, slot-table version)."""
         with self._lock:
             return self._indices.derive(mapping, self.slot_table)
 
     def slot_owner(self, slot: int) -> int | None:
-        """The adapter id in ``slot`` (None if empty): for the engine's right-weights debug check."""
+        """The adapter id in ``slot`` (None if empty), for the engine's right-weights debug check."""
         with self._lock:
             return self.slot_table.slots[slot]
 
@@ -238,8 +241,7 @@ class AdapterManager:
                         registered=len(self.versions.currents()))
 
     def snapshot(self) -> dict[str, Any]:
-        """Slots, pins, last use, host tier, registry and counters at one instant, as JSON-serialisable data
-        (the shape is in ``loraplex/adapters/snapshot.py``); ``counters()`` is the metrics' cheaper view."""
+        """Slots, pins, last use, host tier, registry and counters at one instant (``adapters/snapshot.py``)."""
         with self._lock:
             return tier_snapshot(self.slot_table, self.host, self._infos, self.versions.all_held(),
                                  asdict(self._counters))

@@ -1,5 +1,5 @@
 """``Rereads``: one background thread re-reading adapter versions evicted from host memory, each checked
-against the content hash it was loaded with (the version's identity)."""
+against the content hash it was loaded with (the version's identity); ``ReadAhead`` says which may be read."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from loraplex.adapters.info import AdapterInfo
+from loraplex.adapters.read_ahead import ReadAhead
 from loraplex.adapters.weights import AdapterWeights
 from loraplex.errors import AdapterContentChanged, AdapterError
 
@@ -16,19 +17,20 @@ Done = Callable[[AdapterInfo, AdapterWeights | None, AdapterError | None], None]
 
 
 class Rereads:
-    """``start(info)`` queues a re-read (once per id while one is pending); ``done(info, weights, error)``
+    """``start(info)`` queues a re-read (once per id while one is pending, and only if ``ahead`` allows it:
+    ``ahead.plan`` sets the window); ``done(info, weights, error)``
     is called from the reader thread with the weights, or with the ``AdapterContentChanged`` that the
     version's requests must fail with (changed on disk, or unreadable)."""
 
-    def __init__(self, read: Callable[[str | Path], AdapterWeights], done: Done) -> None:
-        self._read, self._done = read, done
+    def __init__(self, read: Callable[[str | Path], AdapterWeights], done: Done, ahead: ReadAhead) -> None:
+        self._read, self._done, self.ahead = read, done, ahead
         self._lock = threading.Lock()
         self._pending: dict[int, Future[None]] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-adapter-read")
 
     def start(self, info: AdapterInfo) -> None:
         with self._lock:
-            if info.adapter_id not in self._pending:
+            if info.adapter_id not in self._pending and self.ahead.allows(info.adapter_id):
                 self._pending[info.adapter_id] = self._executor.submit(self._reread, info)
 
     def wait(self, adapter_id: int, timeout: float | None = None) -> None:

@@ -8,7 +8,8 @@ Policy, once per step:
    service first, by virtual token counters, priority within a tenant; with one tenant or
    ``scheduling_policy="fcfs"``: queue order, oldest first), while ``max_num_seqs``, the step's token
    budget (``max_num_batched_tokens``) and the KV cache allow, and only if their adapter can be
-   pinned in a device slot. One whose adapter cannot be placed yet stays queued while requests behind
+   pinned in a device slot (cold adapters are read from disk in that order, a few ahead: ``read_ahead``).
+   One whose adapter cannot be placed yet stays queued while requests behind
    it whose adapters fit go ahead, so the batch stays full. No starvation: once the first request in
    that order has waited ``max_skip_steps`` steps, admission turns strict: it still goes in order and
    places adapters in free or unpinned slots, but after the first request that cannot be placed, only
@@ -62,7 +63,8 @@ class ScheduledRequest:
 
 
 class Scheduler:
-    """``adapters`` needs only ``try_acquire(id) -> slot | None``, ``resident(id)``, ``release(id)`` and
+    """``adapters`` needs only ``try_acquire(id) -> slot | None``, ``resident(id)``, ``release(id)``,
+    ``read_ahead(ids)`` (after each admission pass: the adapters still waiting, in admission order) and
     ``release_hold(id)`` (for a request made with ``holds_version``, when it finishes); a
     request stops at any of ``eos_token_ids`` (unless it ignores EOS) and at ``max_model_len`` tokens."""
 
@@ -80,6 +82,7 @@ class Scheduler:
         self.step_count = 0
         self.num_preemptions = 0
         self.fair_share = FairShare()
+        adapters.read_ahead(())  # a scheduler drives reads from now on: none until a queue wants one
 
     def add(self, request: Request) -> None:
         request.arrival_step = self.step_count
@@ -147,6 +150,9 @@ class Scheduler:
             self.running.append(request)
             admitted.append(ScheduledRequest(request, start, n))
             budget -= n
+        # the next pass's order (iterating it charges nothing): its cold adapters are read in the background now
+        order = self.fair_share.order(self.waiting) if self.config.scheduling_policy == "fair" else self.waiting
+        self.adapters.read_ahead(r.adapter_id for r in order if r.adapter_id is not None and not r.pinned)
         return admitted
 
     @staticmethod
