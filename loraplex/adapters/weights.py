@@ -1,4 +1,5 @@
-"""One adapter version's validated tensors, as read from a PEFT folder (CPU, float32).
+"""One adapter version's validated tensors, as read from a PEFT folder (CPU, float32; after
+``CausalLM.prepare`` the projections' A and B are in the slots' dtype: bfloat16 under ``EngineConfig.lora_dtype``).
 
 - ``modules[(layer, proj)] = (A [r, in], B [out, r])``: LoRA on a block's projection, B scale-folded
   (alpha/r, or alpha/sqrt(r) with rsLoRA).
