@@ -130,8 +130,8 @@ void rows_tile(int64_t rows, const float* x, int64_t ldx, const W& w, int64_t k_
   tile<R, C>(x, ldx, w, k_len, out);
 }
 
-// Few rows: all m rows against `blocks` blocks (<= kSmallCols), int8 converted in registers; one row
-// takes kSmallCols blocks per tile, more rows fewer (at most kSmallRows * kSmallCols / 2 accumulators).
+// Few rows: all m rows against `blocks` blocks, int8 converted in registers; tiles of kSmallCols blocks
+// for one row (kSmallCols / 2 for more rows), then halving down to single blocks for the rest.
 void small_m(int64_t m, const float* x, int64_t ldx, const int8_t* w, int64_t k_len, int64_t blocks,
              const Out& out) {
   const int64_t stride = k_len * kBlock;
@@ -145,6 +145,7 @@ void small_m(int64_t m, const float* x, int64_t ldx, const int8_t* w, int64_t k_
   };
   if (m == 1) run(std::integral_constant<int, kSmallCols>{});
   run(std::integral_constant<int, kSmallCols / 2>{});
+  if constexpr (kSmallCols / 4 > 1) run(std::integral_constant<int, kSmallCols / 4>{});
   run(std::integral_constant<int, 1>{});
 }
 
@@ -204,10 +205,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   const int8_t* wp = packed.data_ptr<int8_t>();
   const Out out{y.data_ptr<float>(), n, 0, n, scale.data_ptr<float>(), bias_ptr};
   const int64_t ldx = x.stride(0);
-  // Threads split the blocks in whole groups (kSmallCols for few rows, kCols for many).
-  const int64_t group = m <= kSmallRows ? kSmallCols : kCols, groups = (blocks + group - 1) / group;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    const int64_t b0 = begin * group, b1 = std::min(blocks, end * group);
+  // Threads split the blocks evenly (36 blocks: 18 + 18; whole groups of 8 gave 24 + 12), each range
+  // then tiled as above; the tiling does not change any result.
+  at::parallel_for(0, blocks, kSmallCols, [&](int64_t b0, int64_t b1) {
     const int8_t* w = wp + b0 * k * kBlock;
     const Out o{out.y, out.ldy, b0 * kBlock, out.n, out.scale, out.bias};
     if (m <= kSmallRows) {
