@@ -14,16 +14,16 @@ gathers every such sequence's K and V block rows, already head-major, padded to 
 batched GEMMs do GQA attention with the G = H / KV query heads of a K/V head as the rows of one small
 GEMM (each K/V row is read once), and an additive 0/-inf bias hides the padding and what lies outside
 the window. Entries with several tokens (prefills or prefill chunks) each get their own SDPA call: a
-fresh prompt (start 0) attends to its own new K/V directly (causal, or with a windowed mask once it is
-longer than the window), a chunk that continues a sequence gathers its context's block rows with an
-offset (and windowed) mask.
+fresh prompt (start 0) attends to its own new K/V directly (causal, in query chunks that read only the
+keys they can see; or with a windowed mask once it is longer than the window), a chunk that continues
+a sequence gathers its context's block rows with an offset (and windowed) mask.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -141,6 +141,36 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, keys: DecodeKeys,
     return torch.bmm(scores.softmax(-1), kv[1]).view(s_d, heads, d)
 
 
+# A fresh prompt's causal attention runs in query chunks of this many rows, chunk i reading only the keys up
+# to its last query: PyTorch's CPU flash kernel skips masked key blocks only at 512-key granularity, so
+# one causal call over n <= 512 tokens computes all n^2 scores; chunks compute ~(n^2 / 2 + 32 n).
+CAUSAL_CHUNK = 64
+
+
+@lru_cache(maxsize=8)
+def _causal_chunks(n: int, device: torch.device) -> tuple[tuple[int, int, torch.Tensor], ...]:
+    """``(start, end, mask [end - start, end])`` per query chunk of an n-token causal attention
+    (True = attend: key position <= query position)."""
+    chunks = []
+    for start in range(0, n, CAUSAL_CHUNK):
+        end = min(start + CAUSAL_CHUNK, n)
+        chunks.append((start, end, (torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]).to(device)))
+    return tuple(chunks)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A fresh prompt attending to its own keys, causally: ``q [1, H, n, d]``, ``k/v [1, KV, n, d]`` ->
+    ``[1, H, n, d]``, chunked over the queries (``CAUSAL_CHUNK``)."""
+    n = q.shape[2]
+    if n <= CAUSAL_CHUNK:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    out = q.new_empty(q.shape)
+    for start, end, mask in _causal_chunks(n, q.device):
+        out[:, :, start:end] = F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end],
+                                                              attn_mask=mask, scale=scale, enable_gqa=True)
+    return out
+
+
 def _context_attention(q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan, scale: float) -> torch.Tensor:
     """A chunk continuing a sequence: ``q [1, H, n, d]`` attends to its gathered context under ``span.mask``."""
     kv_heads, block_size, d = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
@@ -210,8 +240,8 @@ def paged_attention(
         if span.context_rows is None:
             k_p = k[span.rows].transpose(0, 1).unsqueeze(0)  # [1, KV, n, d]
             v_p = v[span.rows].transpose(0, 1).unsqueeze(0)
-            o_p = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=span.mask, is_causal=span.mask is None,
-                                                 scale=scale, enable_gqa=True)
+            o_p = (_causal_attention(q_p, k_p, v_p, scale) if span.mask is None else
+                   F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=span.mask, scale=scale, enable_gqa=True))
         else:
             o_p = _context_attention(q_p, kv_cache, span, scale)
         out[span.rows] = o_p[0].transpose(0, 1)
