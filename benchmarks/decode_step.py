@@ -7,7 +7,8 @@ norms, rotary, KV writes, attention, metadata) is overhead. All are timed interl
 host drifts 20-50 % between runs). ``--adapters N`` adds the same step with N rank-16 adapters on all
 seven projections (token i reads adapter i % N; ``--sorted``: tokens grouped by slot), its LoRA part
 (``lora_ms`` = that step - the base step, with the LoRA kernels ``auto`` picks here;
-``decode_step_lora_torch_ms`` / ``lora_torch_ms``: the same through the torch LoRA ops, interleaved) and the
+``decode_step_lora_torch_ms`` / ``lora_torch_ms``: the same through the torch LoRA ops, interleaved; with
+``--sgmv-avx2`` each sgmv LoRA step also runs on the kernel's AVX2 build, ``..._avx2_ms``) and the
 LoRA part's byte floor: the adapters' bytes over the
 read bandwidth of this machine measured in the same run (a sum over 256 MB). ``--lora-dtype bfloat16`` runs
 the adapter steps on the same adapters rounded to bfloat16 slots (``EngineConfig.lora_dtype``), ``both``
@@ -21,7 +22,7 @@ in one kernel, each residual add fused with the next norm), in the same interlea
 ``--out PATH`` writes JSON.
 
     python -m benchmarks.decode_step [--batch 32] [--context 100] [--iters 10] [--threads 2]
-        [--clock wall|cpu] [--adapters N [--sorted] [--lora-dtype float32|bfloat16|both]] [--breakdown]
+        [--clock wall|cpu] [--adapters N [--sorted] [--lora-dtype float32|bfloat16|both] [--sgmv-avx2]] [--breakdown]
         [--out PATH]
 """
 
@@ -47,7 +48,7 @@ from loraplex.layers.norms import RMSNorm
 from loraplex.models.base import CausalLM
 from loraplex.models.embedded import embedded_checkpoint
 from loraplex.models.loader import load_model
-from loraplex.ops import cpu_kernels
+from loraplex.ops import cpu_kernels, lora_sgmv
 from loraplex.ops.lora import resolve_lora_kernels
 from loraplex.ops.lora_batch import BatchMapping, LoRABatch, build_lora_batch
 
@@ -118,6 +119,16 @@ def with_lora_kernels(linears: list[LoRALinear], kernels: str, step: callable) -
             linear.lora_kernels = saved
 
 
+def with_sgmv_build(isa: str, step: callable) -> None:
+    """``step()`` on the sgmv kernel's ``isa`` build (a key of ``lora_sgmv.ISA_FLAGS``), then back."""
+    saved, module = lora_sgmv.kernel, lora_sgmv.kernel_build(isa)
+    lora_sgmv.kernel = lambda: module
+    try:
+        step()
+    finally:
+        lora_sgmv.kernel = saved
+
+
 def bfloat16_slots(linears: list[LoRALinear]) -> dict[LoRALinear, tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's A and B slot buffers rounded to bfloat16 (B stays rank-major: ``.to`` keeps strides)."""
     return {linear: (linear.lora_a.bfloat16(), linear.lora_b.bfloat16()) for linear in linears}
@@ -148,6 +159,8 @@ def main() -> None:
     parser.add_argument("--sorted", action="store_true", help="tokens grouped by slot (with --adapters)")
     parser.add_argument("--lora-dtype", choices=("float32", "bfloat16", "both"), default="float32",
                         help="adapter slot dtype of the --adapters steps (both: interleaved)")
+    parser.add_argument("--sgmv-avx2", action="store_true",
+                        help="also each sgmv LoRA step on the kernel's AVX2 build (A/B against the AVX-512 one)")
     parser.add_argument("--breakdown", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -183,6 +196,10 @@ def main() -> None:
         if lora_kernels != "torch" and args.lora_dtype != "bfloat16":
             steps["decode_step_lora_torch"] = lambda: with_lora_kernels(
                 linears, "torch", lambda: runner.execute(entries, mixed))
+        if args.sgmv_avx2 and lora_kernels == "sgmv":
+            for name in ("decode_step_lora", "decode_step_lora_bf16"):
+                if name in steps:
+                    steps[f"{name}_avx2"] = lambda step=steps[name]: with_sgmv_build("avx2", step)
     read_bytes, read_loop = read_bandwidth_loop()
     loops = {**steps, **matmul_floors(model, args.batch), "read_256MB": read_loop}
     times: dict[str, list[float]] = {name: [] for name in loops}
@@ -235,6 +252,12 @@ def main() -> None:
             result["mixed_over_base_torch"] = result["decode_step_ms"] / result["decode_step_lora_torch_ms"]
             print(f"torch LoRA ops (method {mixed.method}), same run: step {result['decode_step_lora_torch_ms']:.1f} "
                   f"ms, LoRA part {result['lora_torch_ms']:.1f} ms, base / mixed {result['mixed_over_base_torch']:.3f}")
+    for name in ("decode_step_lora_avx2", "decode_step_lora_bf16_avx2"):
+        if f"{name}_ms" in result:
+            lora_part = result[f"{name}_ms"] - result["decode_step_ms"]
+            result[name.replace("decode_step_", "") + "_ms"] = lora_part
+            print(f"{name.replace('decode_step_', '')}: LoRA part {lora_part:.1f} ms on the sgmv AVX2 build, base / "
+                  f"mixed {result['decode_step_ms'] / result[f'{name}_ms']:.3f}")
     for name, parts in breakdowns.items():
         result[f"{name}_breakdown_ms"] = parts
         print(f"\n{name}: CPU ms per step ({args.threads} thread(s))")

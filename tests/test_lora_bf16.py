@@ -27,7 +27,7 @@ from loraplex.ops.lora_batch import LORA_METHODS, BatchMapping, build_lora_batch
 from loraplex.ops.lora_step_buffers import slot_tables
 from tests.test_engine_reference import assert_mixed_batch_equals_hf_peft
 from tests.test_lora_ops import POPULARITY, check_op, make_mapping, packed_case, reference, stacked_weights
-from tests.test_lora_sgmv import check_sgmv, rank_major
+from tests.test_lora_sgmv import check_sgmv, rank_major, sgmv_build  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,8 +38,9 @@ def sgmv_kernel():  # noqa: ANN201
 @pytest.mark.parametrize("popularity", POPULARITY)
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
 @pytest.mark.parametrize(("in_f", "out_f"), [(43, 37), (136, 200)])
-def test_bfloat16_weights_match_float64_loop(popularity: str, num_tokens: int, in_f: int, out_f: int) -> None:
-    """sgmv (the AVX2 build: widened 8 bf16 at a time, the tails one by one) and every torch method."""
+def test_bfloat16_weights_match_float64_loop(popularity: str, num_tokens: int, in_f: int, out_f: int,
+                                             sgmv_build: str) -> None:  # noqa: F811
+    """sgmv (each build: widened 8 or 16 bf16 at a time, the tails one by one) and every torch method."""
     seed = zlib.crc32(f"bf16-{popularity}-{num_tokens}-{in_f}".encode())
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     max_loras, r_max = 13, 64  # slot 12 (= slot -1 read wrongly) stays unused

@@ -32,6 +32,18 @@ def kernel():  # noqa: ANN201
     return module
 
 
+BUILDS = ["avx2", "avx512"] if torch.backends.cpu.get_cpu_capability() == "AVX512" else ["avx2"]
+
+
+@pytest.fixture(params=BUILDS)
+def sgmv_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs the test on each build this CPU runs (``add_lora_sgmv`` calling it), the AVX2 one included."""
+    module = lora_sgmv.kernel_build(request.param)
+    assert module is not None, f"the {request.param} build of the LoRA sgmv kernel must build here"
+    monkeypatch.setattr(lora_sgmv, "kernel", lambda: module)
+    return request.param
+
+
 def rank_major(b: torch.Tensor) -> torch.Tensor:
     """``b [L, out, R]`` stored as ``LoRALinear`` stores it: ``[L, R, out]`` in memory, NaN kept."""
     return b.transpose(1, 2).contiguous().transpose(1, 2)
@@ -60,7 +72,7 @@ def check_sgmv(y0: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
 @pytest.mark.parametrize("popularity", POPULARITY)
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
 @pytest.mark.parametrize(("in_f", "out_f"), [(43, 37), (136, 200)])
-def test_sgmv_matches_float64_loop(popularity: str, num_tokens: int, in_f: int, out_f: int) -> None:
+def test_sgmv_matches_float64_loop(popularity: str, num_tokens: int, in_f: int, out_f: int, sgmv_build: str) -> None:
     seed = zlib.crc32(f"sgmv-{popularity}-{num_tokens}-{in_f}".encode())
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     max_loras, r_max = 13, 64  # slot 12 (= slot -1 read wrongly) stays unused
@@ -86,7 +98,7 @@ def test_sgmv_matches_float64_loop(popularity: str, num_tokens: int, in_f: int, 
     [(0, 0, 0), (16, 16, 16), (0, 0, 0)],  # a slot that does not target this layer at all
 ])
 @pytest.mark.parametrize("seq_len", [1, 3, 5, 40])
-def test_sgmv_packed_blocks(block_ranks: list[tuple[int, ...]], seq_len: int) -> None:
+def test_sgmv_packed_blocks(block_ranks: list[tuple[int, ...]], seq_len: int, sgmv_build: str) -> None:
     seqs = [(0, seq_len), (None, 2), (2, seq_len), (1, seq_len), (0, 3), (2, 1)]
     y0, x, a, b, ranks, slot_blocks, batch = packed_case(block_ranks, (72, 24, 9), seqs, seed=seq_len)
     expected = reference(y0, x, a, b, ranks, batch.token_slots)
@@ -95,7 +107,7 @@ def test_sgmv_packed_blocks(block_ranks: list[tuple[int, ...]], seq_len: int) ->
     assert torch.equal(y[untouched], y0[untouched])
 
 
-def test_sgmv_rows_do_not_depend_on_their_batch() -> None:
+def test_sgmv_rows_do_not_depend_on_their_batch(sgmv_build: str) -> None:
     """A row's result is bitwise the same alone and among 1-6 other rows of its slot (other register tiles)."""
     gen = torch.Generator().manual_seed(7)
     a, b = stacked_weights(3, {0, 1, 2}, [48, 17, 33], 48, 100, 90, torch.float32, gen)
@@ -154,6 +166,11 @@ def test_lora_linear_through_sgmv_with_dora(bias: bool) -> None:
     assert torch.equal(outputs["sgmv"][base], outputs["torch"][base])
     torch.testing.assert_close(outputs["sgmv"], outputs["torch"], rtol=1e-5, atol=1e-5)
     assert not torch.equal(outputs["sgmv"][~base], layer(x, None)[~base])
+
+
+def test_avx512_build_is_chosen_where_the_cpu_has_it() -> None:
+    expected = "avx512" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "avx2"
+    assert lora_sgmv.kernel() is lora_sgmv.kernel_build(expected)
 
 
 def test_auto_picks_sgmv_on_cpu() -> None:

@@ -18,31 +18,20 @@
 // block's columns a tile at a time across its rank rows, and a Prefetcher keeps 16 KiB of what comes next (this
 // group's and the next groups' A and B) on its way. No row of x or y is copied. Single-threaded; rows of each
 // group are summed in the same order whatever the rest of the batch, so results are batch-independent.
-#include <immintrin.h>
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "lora_sgmv_simd.h"
+
 namespace {
 
-// Adapter weights are float or bfloat16 (``uint16_t``: a float32's high half, so widening is a shift).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {  // zero-extend 8 x 16 bits to 32, shift into the high half
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-inline float widen(float v) { return v; }
-inline float widen(uint16_t v) { return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(int32_t{v} << 16))); }
+using namespace lora_simd;
 
 constexpr int kMaxRows = 4;  // rows of a group computed together in registers
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
+constexpr int64_t kL = kLanes;  // floats per vector
 
 // A matrix region the kernel reads: ``rows`` rows of ``cols`` weights, ``stride`` weights apart, read row by row
 // (``by_rows``: A, a few rank rows at a time) or a 64-byte column of lines at a time across its rows (B, by tile).
@@ -96,29 +85,29 @@ class Prefetcher {
 template <int NR, int NK, typename W>
 inline void shrink_tile(const float* const* x, const W* a, int64_t as, int64_t n, float* t, int64_t ts,
                         Prefetcher<W>* pf) {
-  __m256 acc[NR][NK];
+  Vec acc[NR][NK];
 #pragma GCC unroll 8
   for (int i = 0; i < NR; ++i)
 #pragma GCC unroll 8
-    for (int k = 0; k < NK; ++k) acc[i][k] = _mm256_setzero_ps();
+    for (int k = 0; k < NK; ++k) acc[i][k] = vzero();
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
+  for (; j + kL <= n; j += kL) {
     if (pf != nullptr && (j & 15) == 0) pf->advance(16 * NK);
-    __m256 xv[NR];
+    Vec xv[NR];
 #pragma GCC unroll 8
-    for (int i = 0; i < NR; ++i) xv[i] = _mm256_loadu_ps(x[i] + j);
+    for (int i = 0; i < NR; ++i) xv[i] = vload(x[i] + j);
 #pragma GCC unroll 8
     for (int k = 0; k < NK; ++k) {
-      const __m256 av = load8(a + k * as + j);
+      const Vec av = vload(a + k * as + j);
 #pragma GCC unroll 8
-      for (int i = 0; i < NR; ++i) acc[i][k] = _mm256_fmadd_ps(xv[i], av, acc[i][k]);
+      for (int i = 0; i < NR; ++i) acc[i][k] = vfmadd(xv[i], av, acc[i][k]);
     }
   }
 #pragma GCC unroll 8
   for (int i = 0; i < NR; ++i)
 #pragma GCC unroll 8
     for (int k = 0; k < NK; ++k) {
-      float sum = hsum(acc[i][k]);
+      float sum = vsum(acc[i][k]);
       for (int64_t jj = j; jj < n; ++jj) sum += x[i][jj] * widen(a[k * as + jj]);
       t[i * ts + k] = sum;
     }
@@ -134,34 +123,34 @@ void shrink_rows(const float* const* x, const W* a, int64_t as, int64_t in, int6
   for (; r < rank; ++r) shrink_tile<NR, 1>(x, a + r * as, as, in, t + r, rank, pf);
 }
 
-// y_i[c : c + 8 NV] += sum_{r < nr} t[i * ts + r] * b[r * bs + c : ...] for NR rows
+// y_i[c : c + kLanes NV] += sum_{r < nr} t[i * ts + r] * b[r * bs + c : ...] for NR rows
 template <int NR, int NV, typename W>
 inline void expand_tile(float* const* y, int64_t c, const float* t, int64_t ts, const W* b, int64_t bs,
                         int64_t nr, Prefetcher<W>* pf) {
-  __m256 acc[NR][NV];
+  Vec acc[NR][NV];
 #pragma GCC unroll 8
   for (int i = 0; i < NR; ++i)
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[i][v] = vzero();
   for (int64_t r = 0; r < nr; ++r) {
     const W* br = b + r * bs + c;
-    if (pf != nullptr) pf->advance(8 * NV);
-    __m256 tv[NR];
+    if (pf != nullptr) pf->advance(kL * NV);
+    Vec tv[NR];
 #pragma GCC unroll 8
-    for (int i = 0; i < NR; ++i) tv[i] = _mm256_broadcast_ss(t + i * ts + r);
+    for (int i = 0; i < NR; ++i) tv[i] = vbroadcast(t + i * ts + r);
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) {
-      const __m256 bv = load8(br + 8 * v);
+      const Vec bv = vload(br + kL * v);
 #pragma GCC unroll 8
-      for (int i = 0; i < NR; ++i) acc[i][v] = _mm256_fmadd_ps(tv[i], bv, acc[i][v]);
+      for (int i = 0; i < NR; ++i) acc[i][v] = vfmadd(tv[i], bv, acc[i][v]);
     }
   }
 #pragma GCC unroll 8
   for (int i = 0; i < NR; ++i)
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) {
-      float* yp = y[i] + c + 8 * v;
-      _mm256_storeu_ps(yp, _mm256_add_ps(_mm256_loadu_ps(yp), acc[i][v]));
+      float* yp = y[i] + c + kL * v;
+      vstore(yp, vadd(vload(yp), acc[i][v]));
     }
 }
 
@@ -171,8 +160,8 @@ void expand_rows(float* const* y, const float* t, int64_t ts, const W* b, int64_
                  int64_t hi, Prefetcher<W>* pf) {
   constexpr int NV = NR == 1 ? 8 : NR == 2 ? 4 : NR == 3 ? 3 : 2;
   int64_t c = lo;
-  for (; c + 8 * NV <= hi; c += 8 * NV) expand_tile<NR, NV>(y, c, t, ts, b, bs, nr, pf);
-  for (; c + 8 <= hi; c += 8) expand_tile<NR, 1>(y, c, t, ts, b, bs, nr, pf);
+  for (; c + kL * NV <= hi; c += kL * NV) expand_tile<NR, NV>(y, c, t, ts, b, bs, nr, pf);
+  for (; c + kL <= hi; c += kL) expand_tile<NR, 1>(y, c, t, ts, b, bs, nr, pf);
   for (; c < hi; ++c)
     for (int i = 0; i < NR; ++i) {
       float sum = 0.0f;

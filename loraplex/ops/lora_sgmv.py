@@ -1,4 +1,4 @@
-"""The batched LoRA delta as one C++ kernel for x86 CPUs with AVX2 (``lora_sgmv.cpp``).
+"""The batched LoRA delta as one C++ kernel for x86 CPUs with AVX2 or AVX-512 (``lora_sgmv.cpp``).
 
 Semantics: those of ``loraplex.ops.lora.add_lora`` (each slot group at its slot's own rank, B block by
 block, rows with slot -1 untouched bit for bit, slots no group reads never read), computed as
@@ -13,7 +13,9 @@ weight is widened to float32 as it is read, every sum is float32, so bfloat16 we
 of their rounded values at half the bytes read), CPU tensors with unit inner strides and B stored rank-major
 (``LoRALinear``'s layout: unit stride over out); for anything else ``add_lora_sgmv`` runs the torch ops. It is
 built with the system compiler by ``torch.utils.cpp_extension`` at first use and cached (``make install``
-builds it).
+builds it). One source, two builds chosen at run time by ``torch.backends.cpu.get_cpu_capability()``:
+``"avx512"`` (16 floats per register) where it reports AVX512, else ``"avx2"`` (8); their dot products sum
+in different orders, so they agree to float32 rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -33,11 +35,28 @@ _SOURCE = Path(__file__).with_name("lora_sgmv.cpp")
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)  # the adapter weight dtypes the kernel reads
 
 
+# The kernel's builds: name -> compiler flags (the source picks 16- or 8-lane vectors from ``__AVX512F__``).
+ISA_FLAGS: dict[str, list[str]] = {
+    "avx2": ["-O3", "-mavx2", "-mfma"],
+    "avx512": ["-O3", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+}
+
+
+@functools.cache
+def kernel_build(isa: str) -> ModuleType | None:
+    """The kernel built for ``isa`` (a key of ``ISA_FLAGS``), or None where it cannot be built (logged once).
+    Only call it for an ISA this CPU runs (``kernel()`` chooses)."""
+    return build_cpu_extension(f"loraplex_lora_sgmv_{isa}", f"LoRA sgmv kernel ({isa})", [_SOURCE], ISA_FLAGS[isa],
+                               "the torch LoRA ops run instead")
+
+
 @functools.cache
 def kernel() -> ModuleType | None:
-    """The compiled module, or None where it cannot be built or run (no AVX2, no compiler; logged once)."""
-    return build_cpu_extension("loraplex_lora_sgmv", "LoRA sgmv kernel", [_SOURCE], ["-O3", "-mavx2", "-mfma"],
-                               "the torch LoRA ops run instead")
+    """The kernel for this CPU: the AVX-512 build where ``get_cpu_capability()`` is AVX512 (falling back to
+    AVX2 if it does not build), the AVX2 one on AVX2 CPUs, None elsewhere or where none builds."""
+    if torch.backends.cpu.get_cpu_capability() == "AVX512" and (module := kernel_build("avx512")) is not None:
+        return module
+    return kernel_build("avx2")
 
 
 def takes(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
