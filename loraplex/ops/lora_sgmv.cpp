@@ -32,6 +32,7 @@ using namespace lora_simd;
 
 constexpr int kMaxRows = 4;  // rows of a group computed together in registers
 constexpr int64_t kL = kLanes;  // floats per vector
+constexpr int kWide = kLanes / 8;  // register tiles of 2+ rows this many times wider (AVX-512: 32 registers)
 
 // A matrix region the kernel reads: ``rows`` rows of ``cols`` weights, ``stride`` weights apart, read row by row
 // (``by_rows``: A, a few rank rows at a time) or a 64-byte column of lines at a time across its rows (B, by tile).
@@ -117,7 +118,7 @@ inline void shrink_tile(const float* const* x, const W* a, int64_t as, int64_t n
 template <int NR, typename W>
 void shrink_rows(const float* const* x, const W* a, int64_t as, int64_t in, int64_t rank, float* t,
                  Prefetcher<W>* pf) {
-  constexpr int NK = NR == 1 ? 8 : NR == 2 ? 4 : NR == 3 ? 3 : 2;
+  constexpr int NK = NR == 1 ? 8 : (NR == 2 ? 4 : NR == 3 ? 3 : 2) * kWide;
   int64_t r = 0;
   for (; r + NK <= rank; r += NK) shrink_tile<NR, NK>(x, a + r * as, as, in, t + r, rank, pf);
   for (; r < rank; ++r) shrink_tile<NR, 1>(x, a + r * as, as, in, t + r, rank, pf);
@@ -158,7 +159,7 @@ inline void expand_tile(float* const* y, int64_t c, const float* t, int64_t ts, 
 template <int NR, typename W>
 void expand_rows(float* const* y, const float* t, int64_t ts, const W* b, int64_t bs, int64_t nr, int64_t lo,
                  int64_t hi, Prefetcher<W>* pf) {
-  constexpr int NV = NR == 1 ? 8 : NR == 2 ? 4 : NR == 3 ? 3 : 2;
+  constexpr int NV = NR == 1 ? 8 : (NR == 2 ? 4 : NR == 3 ? 3 : 2) * kWide;
   int64_t c = lo;
   for (; c + kL * NV <= hi; c += kL * NV) expand_tile<NR, NV>(y, c, t, ts, b, bs, nr, pf);
   for (; c + kL <= hi; c += kL) expand_tile<NR, 1>(y, c, t, ts, b, bs, nr, pf);
