@@ -148,13 +148,16 @@ CAUSAL_CHUNK = 64
 
 
 @lru_cache(maxsize=8)
-def _causal_chunks(n: int, device: torch.device) -> tuple[tuple[int, int, torch.Tensor], ...]:
-    """``(start, end, mask [end - start, end])`` per query chunk of an n-token causal attention
-    (True = attend: key position <= query position)."""
+def _causal_chunks(n: int, dtype: torch.dtype, device: torch.device) -> tuple[tuple[int, int, torch.Tensor], ...]:
+    """``(start, end, bias [end - start, end])`` per query chunk of an n-token causal attention: an additive
+    mask of ``dtype``, 0 where the key position <= the query position, -inf after it (SDPA would turn a
+    bool mask into this on every call)."""
     chunks = []
     for start in range(0, n, CAUSAL_CHUNK):
         end = min(start + CAUSAL_CHUNK, n)
-        chunks.append((start, end, (torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]).to(device)))
+        hidden = torch.arange(end)[None, :] > torch.arange(start, end)[:, None]
+        bias = torch.zeros(end - start, end, dtype=dtype).masked_fill_(hidden, float("-inf"))
+        chunks.append((start, end, bias.to(device)))
     return tuple(chunks)
 
 
@@ -165,9 +168,9 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     if n <= CAUSAL_CHUNK:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     out = q.new_empty(q.shape)
-    for start, end, mask in _causal_chunks(n, q.device):
+    for start, end, bias in _causal_chunks(n, q.dtype, q.device):
         out[:, :, start:end] = F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end],
-                                                              attn_mask=mask, scale=scale, enable_gqa=True)
+                                                              attn_mask=bias, scale=scale, enable_gqa=True)
     return out
 
 
