@@ -178,3 +178,33 @@ def test_auto_picks_sgmv_on_cpu() -> None:
     assert resolve_lora_kernels("sgmv", torch.device("cpu")) == "sgmv"
     with pytest.raises(ValueError, match="runs on CPUs with AVX2"):
         resolve_lora_kernels("sgmv", torch.device("cuda"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sgmv_threads_do_not_change_results(dtype: torch.dtype) -> None:
+    """The groups are split across ATen's threads: 1, 2 and 3 threads give bitwise the same y."""
+    gen = torch.Generator().manual_seed(17)
+    ranks = [16, 5, 33, 64, 1, 9, 16]
+    a, b = stacked_weights(7, set(range(7)), ranks, 64, 136, 200, dtype, gen)
+    ranks_table, blocks_table = slot_tables(ranks, 200, None, 1, "cpu")
+    batch = build_lora_batch(BatchMapping(tuple(i % 7 for i in range(32))), {i: i for i in range(7)}, 0)
+    x, y0 = torch.randn(32, 136, generator=gen), torch.randn(32, 200, generator=gen)
+    threads, results = torch.get_num_threads(), []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            y = y0.clone()
+            lora_sgmv.add_lora_sgmv(y, x, a, rank_major(b), ranks, ranks_table, blocks_table, batch)
+            results.append(y)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert not torch.equal(results[0], y0)
+
+
+def test_sgmv_refuses_a_row_in_two_groups(kernel) -> None:  # noqa: ANN001
+    a, b = torch.zeros(2, 4, 8), torch.zeros(2, 4, 6).transpose(1, 2)
+    ranks, blocks = torch.tensor([4, 4], dtype=torch.int32), torch.tensor([[[0, 6, 0, 4]]] * 2, dtype=torch.int32)
+    order, slots, offsets = torch.tensor([0, 1, 1]), torch.tensor([0, 1]), torch.tensor([0, 2, 3])
+    with pytest.raises(RuntimeError, match="out of range or repeated"):
+        kernel.sgmv(torch.zeros(3, 6), torch.zeros(3, 8), a, b, order, slots, offsets, ranks, blocks)

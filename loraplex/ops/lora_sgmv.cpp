@@ -1,23 +1,20 @@
-// Batched LoRA shrink + expand over a step's slot groups (built by loraplex/ops/lora_sgmv.py).
-//
-// Semantics, for each slot group g (slot s = group_slots[g], packed rank R = slot_ranks[s] > 0, rows
-// i in order[group_offsets[g] : group_offsets[g + 1]]) and each B block (o_lo, o_hi, r_lo, r_hi) of
-// slot_blocks[s] with r_hi > r_lo:
+// Batched LoRA shrink + expand over a step's slot groups (built by loraplex/ops/lora_sgmv.py). Semantics, for
+// each slot group g (slot s = group_slots[g], packed rank R = slot_ranks[s] > 0, rows i in order[group_offsets[g] :
+// group_offsets[g + 1]]) and each B block (o_lo, o_hi, r_lo, r_hi) of slot_blocks[s] with r_hi > r_lo:
 //   t[i, r] = x[i] . A[s, r, :]                                   r in [0, R)
 //   y[i, o_lo:o_hi] += sum_{r in [r_lo, r_hi)} t[i, r] * B[s, o_lo:o_hi, r]
 // Rows in no group are never read or written; slots in no group are never read. Each block's delta is
 // summed in registers and added to y once (y + delta, as the torch ops do).
 // x [T, in], y [T, out] float32 with unit inner strides (any row strides; y changed in place), A [L, R_max, in]
-// with unit inner stride, B [L, out, R_max] with unit stride over out (loraplex keeps B rank-major), A and B
-// both float32 or both bfloat16 (widened to float32 as read, sums in float32), order [T_lora] / group_slots [G]
-// / group_offsets [G + 1] int64, slot_ranks [L] int32, slot_blocks [L, P, 4] int32 (blocks with r_hi == r_lo
-// are skipped).
-//
+// with unit inner stride, B [L, out, R_max] with unit stride over out (loraplex keeps B rank-major), A and B both
+// float32 or both bfloat16 (widened to float32 as read, sums in float32), order [T_lora] / group_slots [G] /
+// group_offsets [G + 1] int64, slot_ranks [L] int32, slot_blocks [L, P, 4] int32 (blocks with r_hi == r_lo skipped).
 // Each adapter's A and B are read from memory once per group of rows (up to 4 rows in registers; a larger group
 // reads them again, from cache, per 4 rows): the shrink walks A's rank rows a few at a time, the expand walks a
 // block's columns a tile at a time across its rank rows, and a Prefetcher keeps 16 KiB of what comes next (this
-// group's and the next groups' A and B) on its way. No row of x or y is copied. Single-threaded; rows of each
-// group are summed in the same order whatever the rest of the batch, so results are batch-independent.
+// group's and the next groups' A and B) on its way. No row of x or y is copied. The groups are split across
+// ATen's threads (no row may be in two groups); each group's rows are summed in the same order whatever the rest
+// of the batch and the thread count, so results are batch-independent.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -219,9 +216,14 @@ void sgmv_as(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& lora
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t as = lora_a.stride(1), bs = lora_b.stride(2), xs = x.stride(0), ys = y.stride(0);
+  std::vector<char> seen(rows, 0);  // groups are run in parallel: no row may be in two of them
+  for (int64_t i = go[0]; i < go[num_groups]; ++i)
+    TORCH_CHECK(ord[i] >= 0 && ord[i] < rows && !seen[ord[i]]++, "sgmv: row ", ord[i], " out of range or repeated");
   std::vector<Slot<W>> slots(num_groups);
   std::vector<Region<W>> regions;
+  std::vector<size_t> first_region(num_groups + 1, 0);  // group g reads regions [first_region[g], ...[g + 1])
   for (int64_t g = 0; g < num_groups; ++g) {
+    first_region[g + 1] = regions.size();
     const int64_t s = gs[g];
     TORCH_CHECK(s >= 0 && s < num_slots, "sgmv: group slot ", s, " out of range");
     const int64_t rank = ranks[s];
@@ -241,35 +243,33 @@ void sgmv_as(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& lora
     regions.push_back(as == in ? Region<W>{slot.a, 0, 1, rank * in, true} : Region<W>{slot.a, as, rank, in, true});
     for (int64_t p = 0; p < num_blocks; ++p) {
       const int32_t* blk = sb + 4 * p;
-      if (blk[3] > blk[2]) {
+      if (blk[3] > blk[2])
         regions.push_back({slot.bt + blk[2] * bs + blk[0], bs, blk[3] - blk[2], blk[1] - blk[0], false});
+    }
+    first_region[g + 1] = regions.size();
+  }
+  // groups split evenly across the threads, each with its own prefetcher over its groups' regions
+  at::parallel_for(0, num_groups, 1, [&](int64_t g_begin, int64_t g_end) {
+    Prefetcher<W> prefetcher({regions.begin() + first_region[g_begin], regions.begin() + first_region[g_end]});
+    std::vector<float> t(kMaxRows * std::max<int64_t>(r_max, 1));
+    for (int64_t g = g_begin; g < g_end; ++g) {
+      const Slot<W>& slot = slots[g];
+      if (slot.rank == 0) continue;
+      for (int64_t lo = go[g]; lo < go[g + 1]; lo += kMaxRows) {
+        Prefetcher<W>* pf = lo == go[g] ? &prefetcher : nullptr;
+        const int n = static_cast<int>(std::min<int64_t>(kMaxRows, go[g + 1] - lo));
+        const float* xr[kMaxRows];
+        float* yr[kMaxRows];
+        for (int i = 0; i < n; ++i) xr[i] = xp + ord[lo + i] * xs, yr[i] = yp + ord[lo + i] * ys;
+        switch (n) {
+          case 1: group_rows<1>(yr, xr, slot, as, bs, in, num_blocks, t.data(), pf); break;
+          case 2: group_rows<2>(yr, xr, slot, as, bs, in, num_blocks, t.data(), pf); break;
+          case 3: group_rows<3>(yr, xr, slot, as, bs, in, num_blocks, t.data(), pf); break;
+          default: group_rows<4>(yr, xr, slot, as, bs, in, num_blocks, t.data(), pf); break;
+        }
       }
     }
-  }
-  Prefetcher<W> prefetcher(std::move(regions));
-  std::vector<float> t(kMaxRows * std::max<int64_t>(r_max, 1));
-  for (int64_t g = 0; g < num_groups; ++g) {
-    const Slot<W>& slot = slots[g];
-    if (slot.rank == 0) continue;
-    for (int64_t lo = go[g]; lo < go[g + 1]; lo += kMaxRows) {
-      Prefetcher<W>* pf = lo == go[g] ? &prefetcher : nullptr;
-      const int n = static_cast<int>(std::min<int64_t>(kMaxRows, go[g + 1] - lo));
-      const float* xr[kMaxRows];
-      float* yr[kMaxRows];
-      for (int i = 0; i < n; ++i) {
-        const int64_t row = ord[lo + i];
-        TORCH_CHECK(row >= 0 && row < rows, "sgmv: row ", row, " out of range");
-        xr[i] = xp + row * xs;
-        yr[i] = yp + row * ys;
-      }
-      switch (n) {
-        case 1: group_rows<1>(yr, xr, slot, as, bs, in, num_blocks, t.data(), pf); break;
-        case 2: group_rows<2>(yr, xr, slot, as, bs, in, num_blocks, t.data(), pf); break;
-        case 3: group_rows<3>(yr, xr, slot, as, bs, in, num_blocks, t.data(), pf); break;
-        default: group_rows<4>(yr, xr, slot, as, bs, in, num_blocks, t.data(), pf); break;
-      }
-    }
-  }
+  });
 }
 
 }  // namespace

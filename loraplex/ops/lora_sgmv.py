@@ -5,7 +5,9 @@ block, rows with slot -1 untouched bit for bit, slots no group reads never read)
     y[order[o_g:o_{g+1}]] += (x[order[o_g:o_{g+1}]] @ A[s_g, :R]^T) @ B[s_g, :, :R]^T
 in one call per layer: each group's rows are read from x and written to y where they are (no gather,
 scatter or padding), and the slot's A and B are read once for the group (the rows are computed four at
-a time in registers against them). The rank and the blocks come from the layer's int32 slot tables
+a time in registers against them). The groups are split evenly across torch's threads (a row is in one
+group, which the kernel checks; each group is summed alike whatever the split, so y is the same bit for bit
+at any thread count). The rank and the blocks come from the layer's int32 slot tables
 (``LoRALinear.slot_ranks_dev`` / ``slot_blocks_dev``, ``[max_loras]`` / ``[max_loras, P, 4]``).
 
 The kernel takes float32 x and y, A and B both float32 or both bfloat16 (``EngineConfig.lora_dtype``: each
