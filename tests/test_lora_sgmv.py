@@ -181,7 +181,7 @@ def test_auto_picks_sgmv_on_cpu() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sgmv_threads_do_not_change_results(dtype: torch.dtype) -> None:
+def test_sgmv_threads_do_not_change_results(dtype: torch.dtype, sgmv_build: str) -> None:
     """The groups are split across ATen's threads: 1, 2 and 3 threads give bitwise the same y."""
     gen = torch.Generator().manual_seed(17)
     ranks = [16, 5, 33, 64, 1, 9, 16]
