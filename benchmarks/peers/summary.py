@@ -106,21 +106,30 @@ def serving_rows(data: dict) -> tuple[dict, list[dict]]:
 def sustained_targets(data: dict, scenario: str, lp: dict, vllm: dict) -> list[dict]:
     """Issue 22: loraplex's highest sustained rate >= 0.8x the engine's offline request rate for the
     mix (the better OpenMP policy) and >= 3x vLLM's; where vLLM sustains none of the rates, its rate
-    is taken as the lowest one tested (an upper bound, so the verdict errs against loraplex)."""
+    is taken as the lowest one tested (an upper bound, so the verdict errs against loraplex). Where
+    loraplex sustained the highest rate run, its ratio is only a lower bound: a shortfall is then reported
+    as not measured (verdict None), not as a miss."""
     best = max((r for r, p in lp.items() if p["sustained"]), default=None)
+    capped = best is not None and best == max(lp)
     offline = [r["req_s"][scenario] for r in data.get("offline_rate", {}).values() if scenario in r["req_s"]]
     out = []
     if offline:
         ratio = None if best is None else best / max(offline)
-        out.append({"target": f"serving {scenario}: loraplex highest sustained rate / offline request rate "
-                              f"({max(offline):.2f} req/s)", "goal": ">= 0.8",
-                    "value": None if ratio is None else round(ratio, 2), "met": ratio is not None and ratio >= 0.8})
+        out.append(_sustained(f"serving {scenario}: loraplex highest sustained rate / offline request rate "
+                              f"({max(offline):.2f} req/s)", 0.8, ratio, capped))
     if vllm:
         theirs = max((r for r, p in vllm.items() if p["sustained"]), default=min(vllm))
         ratio = None if best is None else best / theirs
-        out.append({"target": f"serving {scenario}: loraplex / vLLM highest sustained rate", "goal": ">= 3.0",
-                    "value": None if ratio is None else round(ratio, 2), "met": ratio is not None and ratio >= 3.0})
+        out.append(_sustained(f"serving {scenario}: loraplex / vLLM highest sustained rate", 3.0, ratio, capped))
     return out
+
+
+def _sustained(target: str, goal: float, ratio: float | None, capped: bool) -> dict:
+    met = ratio is not None and ratio >= goal
+    if capped and not met:
+        return {"target": target, "goal": f">= {goal}", "value": f">= {ratio:.2f} (every rate run sustained)",
+                "met": None}
+    return {"target": target, "goal": f">= {goal}", "value": None if ratio is None else round(ratio, 2), "met": met}
 
 
 def _arrival_rate(point: dict) -> float:
