@@ -111,3 +111,15 @@ def smollm2_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
     root = tmp_path_factory.mktemp("smollm2-adapters")
     return {name: write_peft_adapter(base, root / name, rank=16, alpha=16, seed=seed, b_std=0.09)
             for name, seed in (("alpha", 1), ("beta", 2))}
+
+
+@pytest.fixture(scope="module")
+def kernels():  # noqa: ANN201
+    """The CPU step kernels (built once), or skip where the CPU lacks AVX2."""
+    from loraplex.ops import cpu_kernels
+
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("no AVX2: the torch ops serve every case")
+    module = cpu_kernels.kernels()
+    assert module is not None, "the CPU step kernels must build on an AVX2 machine with a compiler"
+    return module

@@ -20,15 +20,6 @@ from loraplex.layers.norms import RMSNorm
 from loraplex.ops import cpu_kernels
 
 
-@pytest.fixture(scope="module")
-def kernels():  # noqa: ANN201
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        pytest.skip("no AVX2: the torch ops serve every case")
-    module = cpu_kernels.kernels()
-    assert module is not None, "the CPU step kernels must build on an AVX2 machine with a compiler"
-    return module
-
-
 def decode_reference(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, first: list[int], end: list[int],
                      scale: float) -> torch.Tensor:
     """Float64 loop: each sequence's query heads against its keys at positions [first, end)."""

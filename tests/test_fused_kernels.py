@@ -17,15 +17,6 @@ from loraplex.ops import cpu_kernels
 from tests.fixtures import tiny_config
 
 
-@pytest.fixture(scope="module")
-def kernels():  # noqa: ANN201
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        pytest.skip("no AVX2: the torch ops serve every case")
-    module = cpu_kernels.kernels()
-    assert module is not None, "the CPU step kernels must build on an AVX2 machine with a compiler"
-    return module
-
-
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("n", [576, 13])
 def test_add_rms_norm_equals_the_add_then_the_norm(kernels, offset: float, n: int) -> None:  # noqa: ANN001

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -40,3 +41,11 @@ def build_cpu_extension(name: str, label: str, sources: list[Path], flags: list[
     except Exception as e:  # the torch path stays correct
         logger.warning("%s unavailable (%s); %s", label, e, fallback)
         return None
+
+
+def build_for_this_cpu(build: Callable[[str], ModuleType | None]) -> ModuleType | None:
+    """``build("avx512")`` where ``get_cpu_capability()`` is AVX512 (falling back to ``build("avx2")`` if it
+    does not build), ``build("avx2")`` on AVX2 CPUs; ``build`` returns None where nothing builds."""
+    if torch.backends.cpu.get_cpu_capability() == "AVX512" and (module := build("avx512")) is not None:
+        return module
+    return build("avx2")

@@ -29,7 +29,7 @@ from types import ModuleType
 
 import torch
 
-from loraplex.ops.cpp_build import build_cpu_extension
+from loraplex.ops.cpp_build import build_cpu_extension, build_for_this_cpu
 from loraplex.ops.lora import Blocks, LoRACache, add_lora
 from loraplex.ops.lora_batch import LoRABatch
 
@@ -56,9 +56,7 @@ def kernel_build(isa: str) -> ModuleType | None:
 def kernel() -> ModuleType | None:
     """The kernel for this CPU: the AVX-512 build where ``get_cpu_capability()`` is AVX512 (falling back to
     AVX2 if it does not build), the AVX2 one on AVX2 CPUs, None elsewhere or where none builds."""
-    if torch.backends.cpu.get_cpu_capability() == "AVX512" and (module := kernel_build("avx512")) is not None:
-        return module
-    return kernel_build("avx2")
+    return build_for_this_cpu(kernel_build)
 
 
 def takes(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
