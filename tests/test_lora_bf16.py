@@ -10,8 +10,6 @@ rounding loses nothing) generates HF + PEFT's greedy tokens, on the host tier at
 from __future__ import annotations
 
 import json
-import random
-import zlib
 from pathlib import Path
 
 import pytest
@@ -26,8 +24,8 @@ from loraplex.ops import lora_sgmv
 from loraplex.ops.lora_batch import LORA_METHODS, BatchMapping, build_lora_batch
 from loraplex.ops.lora_step_buffers import slot_tables
 from tests.test_engine_reference import assert_mixed_batch_equals_hf_peft
-from tests.test_lora_ops import POPULARITY, check_op, make_mapping, packed_case, reference, stacked_weights
-from tests.test_lora_sgmv import check_sgmv, rank_major, sgmv_build  # noqa: F401 (a fixture)
+from tests.test_lora_ops import POPULARITY, check_op, packed_case, reference, stacked_weights
+from tests.test_lora_sgmv import check_sgmv, oracle_case, rank_major, sgmv_build  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -41,19 +39,8 @@ def sgmv_kernel():  # noqa: ANN201
 def test_bfloat16_weights_match_float64_loop(popularity: str, num_tokens: int, in_f: int, out_f: int,
                                              sgmv_build: str) -> None:  # noqa: F811
     """sgmv (each build: widened 8 or 16 bf16 at a time, the tails one by one) and every torch method."""
-    seed = zlib.crc32(f"bf16-{popularity}-{num_tokens}-{in_f}".encode())
-    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    max_loras, r_max = 13, 64  # slot 12 (= slot -1 read wrongly) stays unused
-    mapping = make_mapping(popularity, num_tokens, 9, rng)
-    batch = build_lora_batch(mapping, {i: (i * 5 + 1) % max_loras for i in range(9)}, slot_version=1)
-    ranks = [r_max] * max_loras  # unused slots: full rank of NaN
-    for s in batch.group_slots:
-        ranks[s] = rng.randint(1, r_max)
-    ranks[batch.group_slots[0] if batch.group_slots else 0] = r_max
-    a, b = stacked_weights(max_loras, set(batch.group_slots), ranks, r_max, in_f, out_f, torch.bfloat16, gen)
-    x = torch.randn(num_tokens, in_f + 5, generator=gen)[:, 2:-3]  # rows strided
-    y0 = torch.randn(num_tokens, out_f, generator=gen)
-    expected = reference(y0, x, a, b, ranks, batch.token_slots)  # float64 of the bfloat16 values
+    # the float64 oracle of the bfloat16 values
+    y0, x, a, b, ranks, batch, expected = oracle_case("bf16", popularity, num_tokens, in_f, out_f, torch.bfloat16)
     check_sgmv(y0, x, a, rank_major(b), ranks, batch, None, expected, strided_y=True)
     for method in LORA_METHODS:
         check_op(y0, x, a, b, ranks, batch, expected, method)

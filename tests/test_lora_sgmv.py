@@ -69,24 +69,31 @@ def check_sgmv(y0: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     return y
 
 
+def oracle_case(tag: str, popularity: str, num_tokens: int, in_f: int, out_f: int, dtype: torch.dtype) -> tuple:
+    """A random step over 13 slots (9 adapters mapped at ranks 1..64, unused slots NaN at full rank; slot 12,
+    which a wrong read of slot -1 would hit, stays unused), strided x rows, and the float64 oracle of it:
+    ``(y0, x, a, b, ranks, batch, expected)`` with b as ``stacked_weights`` makes it (out-major)."""
+    seed = zlib.crc32(f"{tag}-{popularity}-{num_tokens}-{in_f}".encode())
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    max_loras, r_max = 13, 64
+    mapping = make_mapping(popularity, num_tokens, 9, rng)
+    batch = build_lora_batch(mapping, {i: (i * 5 + 1) % max_loras for i in range(9)}, slot_version=1)
+    ranks = [r_max] * max_loras
+    for s in batch.group_slots:
+        ranks[s] = rng.randint(1, r_max)
+    ranks[batch.group_slots[0] if batch.group_slots else 0] = r_max
+    a, b = stacked_weights(max_loras, set(batch.group_slots), ranks, r_max, in_f, out_f, dtype, gen)
+    x = torch.randn(num_tokens, in_f + 5, generator=gen)[:, 2:-3]  # rows strided
+    y0 = torch.randn(num_tokens, out_f, generator=gen)
+    return y0, x, a, b, ranks, batch, reference(y0, x, a, b, ranks, batch.token_slots)
+
+
 @pytest.mark.parametrize("popularity", POPULARITY)
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
 @pytest.mark.parametrize(("in_f", "out_f"), [(43, 37), (136, 200)])
 def test_sgmv_matches_float64_loop(popularity: str, num_tokens: int, in_f: int, out_f: int, sgmv_build: str) -> None:
-    seed = zlib.crc32(f"sgmv-{popularity}-{num_tokens}-{in_f}".encode())
-    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    max_loras, r_max = 13, 64  # slot 12 (= slot -1 read wrongly) stays unused
-    mapping = make_mapping(popularity, num_tokens, 9, rng)
-    batch = build_lora_batch(mapping, {i: (i * 5 + 1) % max_loras for i in range(9)}, slot_version=1)
-    ranks = [r_max] * max_loras  # unused slots: full rank of NaN
-    for s in batch.group_slots:
-        ranks[s] = rng.randint(1, r_max)
-    ranks[batch.group_slots[0] if batch.group_slots else 0] = r_max
-    a, b = stacked_weights(max_loras, set(batch.group_slots), ranks, r_max, in_f, out_f, torch.float32, gen)
+    y0, x, a, b, ranks, batch, expected = oracle_case("sgmv", popularity, num_tokens, in_f, out_f, torch.float32)
     b = rank_major(b)
-    x = torch.randn(num_tokens, in_f + 5, generator=gen)[:, 2:-3]  # rows strided
-    y0 = torch.randn(num_tokens, out_f, generator=gen)
-    expected = reference(y0, x, a, b, ranks, batch.token_slots)
     check_sgmv(y0, x, a, b, ranks, batch, None, expected)
     check_sgmv(y0, x, a, b, ranks, batch, None, expected, strided_y=True)
 
