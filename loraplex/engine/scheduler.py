@@ -33,7 +33,7 @@ pin are returned; keyed blocks stay cached). ``undo`` reverts a step whose forwa
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from loraplex.adapters.manager import AdapterManager
@@ -115,7 +115,7 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[ScheduledRequest]:
         admitted: list[ScheduledRequest] = []
-        order = self.fair_share.order(self.waiting) if self.config.scheduling_policy == "fair" else list(self.waiting)
+        order = self._waiting_order()
         strict = None
         blocked = False  # strict mode met a request whose adapter cannot be placed: only ride-alongs now
         for request in order:
@@ -151,9 +151,15 @@ class Scheduler:
             admitted.append(ScheduledRequest(request, start, n))
             budget -= n
         # the next pass's order (iterating it charges nothing): its cold adapters are read in the background now
-        order = self.fair_share.order(self.waiting) if self.config.scheduling_policy == "fair" else self.waiting
-        self.adapters.read_ahead(r.adapter_id for r in order if r.adapter_id is not None and not r.pinned)
+        wanted = (r.adapter_id for r in self._waiting_order() if r.adapter_id is not None and not r.pinned)
+        self.adapters.read_ahead(wanted)
         return admitted
+
+    def _waiting_order(self) -> Iterable[Request]:
+        """The waiting requests in admission order: fair share's (lazy: charges made while iterating count),
+        or a copy of the queue under ``scheduling_policy="fcfs"``; either way admission may remove from
+        ``waiting`` while iterating."""
+        return self.fair_share.order(self.waiting) if self.config.scheduling_policy == "fair" else list(self.waiting)
 
     @staticmethod
     def _reusable_tokens(request: Request) -> int:
