@@ -1,8 +1,9 @@
 """loraplex: serve many LoRA adapters over one base LLM, mixed in one batch."""
 
+from loraplex.client.output import RequestOutput
 from loraplex.config import EngineConfig, ModelConfig
-from loraplex.engine.request import RequestOutput, SamplingParams
-from loraplex.engine.structured.params import StructuredOutputsParams
+from loraplex.engine.request import SamplingParams
+from loraplex.engine.sampling.structured.params import StructuredOutputsParams
 from loraplex.errors import (
     AdapterAlreadyLoaded,
     AdapterContentChanged,

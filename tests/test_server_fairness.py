@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loraplex.engine.fair_share import FairShareWeights
-from loraplex.server.keys import ApiKey, KeyTable
+from loraplex.engine.scheduler.fair_share import FairShareWeights
+from loraplex.server.tenancy.keys import ApiKey, KeyTable
 from tests.server_harness import BASE, Server, tiny_server
 
 N = 2  # max_num_seqs

@@ -19,9 +19,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplex.server.errors import ServerError
-from loraplex.server.keys import ApiKey, KeyTable
-from loraplex.server.quotas import TenantQuotas
+from loraplex.server.openai.errors import ServerError
+from loraplex.server.tenancy.keys import ApiKey, KeyTable
+from loraplex.server.tenancy.quotas import TenantQuotas
 from tests.server_harness import BASE, MODES, Server, tiny_server
 
 CONFIG = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=8)

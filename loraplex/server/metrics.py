@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from loraplex.engine.request import RequestOutput
+from loraplex.client.output import RequestOutput
 from loraplex.server.metric_labels import BASE_LABEL, AdapterLabels
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
