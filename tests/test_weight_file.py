@@ -57,27 +57,24 @@ def test_other_files_match_the_library(kind: str, tiny_llama_adapters: dict[str,
 def test_truncated_file_is_invalid(tiny_llama_adapters: dict[str, Path], tmp_path: Path) -> None:
     data = (tiny_llama_adapters["r4_attn"] / SAFETENSORS_FILE).read_bytes()
     (tmp_path / SAFETENSORS_FILE).write_bytes(data[:-4])
-    with pytest.raises(InvalidAdapter, match="cannot read adapter_model.safetensors"):
+    with pytest.raises(InvalidAdapter, match=r"adapter_model.safetensors: tensor '.*' data_offsets .* run past the "
+                                             r"end of the data section .*: the file is truncated"):
         read_weight_file(tmp_path, allow_pickle=False)
 
 
-def test_huge_finite_values_pass_and_fold_like_the_library(tiny_llama_adapters: dict[str, Path], tiny_llama: Path,
-                                                          tmp_path: Path) -> None:
-    """The one-reduction check: finite values whose sum overflows are still accepted (each tensor is then
-    checked), and B folded in place equals B read through the library (bf16 file) and folded out of place."""
+def test_in_place_fold_equals_the_out_of_place_fold(tiny_llama_adapters: dict[str, Path], tiny_llama: Path,
+                                                    tmp_path: Path) -> None:
+    """B folded in place over the all-float32 buffer equals B read from a file with one float64 tensor (no
+    flat buffer: each tensor converted and folded out of place), and so does the content hash."""
     src = tiny_llama_adapters["r4_attn"]
-    folder = tmp_path / "huge"
-    shutil.copytree(src, folder)
-    tensors = load_file(folder / SAFETENSORS_FILE)
-    key = next(k for k in tensors if k.endswith("lora_A.weight"))
-    tensors[key] = torch.full_like(tensors[key], 3e38)  # sum overflows to inf, every value is finite
-    save_file(tensors, folder / SAFETENSORS_FILE)
-    mc = ModelConfig.from_hf(tiny_llama)
-    fast = read_peft_adapter(folder, mc, 16)
+    tensors = load_file(src / SAFETENSORS_FILE)
+    key = next(k for k in tensors if k.endswith("lora_B.weight"))
     slow_folder = tmp_path / "slow"
-    shutil.copytree(folder, slow_folder)
+    shutil.copytree(src, slow_folder)
     save_file({**tensors, key: tensors[key].to(torch.float64)}, slow_folder / SAFETENSORS_FILE)  # not all F32
-    slow = read_peft_adapter(slow_folder, mc, 16)
+    assert read_weight_file(slow_folder, allow_pickle=False).flat is None
+    mc = ModelConfig.from_hf(tiny_llama)
+    fast, slow = read_peft_adapter(src, mc, 16), read_peft_adapter(slow_folder, mc, 16)
     assert fast.modules.keys() == slow.modules.keys()
     for k, (a, b) in fast.modules.items():
         assert torch.equal(a, slow.modules[k][0]) and torch.equal(b, slow.modules[k][1]), k
