@@ -12,6 +12,7 @@ regular raises ``ForbiddenAdapterPath`` (HTTP 403). Nothing here follows a path 
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Iterable
@@ -100,6 +101,8 @@ def open_file(folder: Path, name: str, roots: Roots) -> AdapterFile:
     except FileNotFoundError as e:
         raise InvalidAdapter(f"{what}: no such file (a dangling link?)") from e
     except OSError as e:
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW: the checked file was replaced by a link
+            raise ForbiddenAdapterPath(f"{what} became a symbolic link after its check; it is not followed") from e
         raise InvalidAdapter(f"{what}: cannot open ({e})") from e
     try:
         opened = os.fstat(fd)
