@@ -138,30 +138,31 @@ def test_replaced_vocabulary_rows_are_bounded(manager: AdapterManager, tiny_llam
 def test_the_bound_is_where_a_float32_delta_stays_finite(manager: AdapterManager,
                                                           tiny_llama_adapters: dict[str, Path],
                                                           tiny_llama: Path, tmp_path: Path) -> None:
-    """At 0.99 of the bound the adapter loads, and its q_proj delta for an input of norm 2^64 aimed along
-    its largest singular direction is finite in float32 and equals a float64 reference; at 1.01 it is
-    refused."""
+    """At 0.99 of the bound (2^63, written out here) the adapter loads, and its q_proj delta for an input of
+    norm 2^64 aimed along its largest singular direction stays within 2^127 in float32 and equals a float64
+    reference; at 1.01 it is refused."""
     src = tiny_llama_adapters["r2_qv"]
     tensors = load_file(src / WEIGHTS)
     a, b = tensors[f"{Q}.lora_A.weight"], tensors[f"{Q}.lora_B.weight"]
     scale = read_peft_adapter(src, ModelConfig.from_hf(tiny_llama), 16).config.scale_for("model.layers.0.self_attn"
                                                                                          ".q_proj")
     product = float(a.norm() * (b * scale).norm())
+    assert (WEIGHT_BOUND, INPUT_NORM) == (2.0**63, 2.0**64)
     for factor, loads in ((0.99, True), (1.01, False)):
-        grow = (factor * WEIGHT_BOUND / product) ** 0.5  # half into A, half into B
+        grow = (factor * 2.0**63 / product) ** 0.5  # half into A, half into B
         folder = _copy(src, tmp_path / f"x{factor}", tensors=lambda t, g=grow: {
             **t, f"{Q}.lora_A.weight": a * g, f"{Q}.lora_B.weight": b * g})
         if not loads:
             refused(manager, folder, AdapterOverflow, ["||lora_A||_F * ||scale * lora_B||_F",
-                                                       f"= {factor * WEIGHT_BOUND:.3g}, over the bound"])
+                                                       f"= {factor * 2.0**63:.3g}, over the bound"])
             continue
         info = manager.load(f"edge{factor}", folder)
         a_s, b_s = manager.host.get(info.adapter_id).modules[(0, "q_proj")]
         delta = (b_s.double() @ a_s.double())  # [out, in]
         direction = torch.linalg.svd(delta).Vh[0]  # the input that the delta grows most
-        x = (direction * INPUT_NORM).float()[None]  # [1, in], ||x|| = 2^64
+        x = (direction * 2.0**64).float()[None]  # [1, in], ||x|| = 2^64
         out = (x @ a_s.t()) @ b_s.t()  # the step's order: shrink, then expand
-        assert bool(torch.isfinite(out).all())
+        assert bool(torch.isfinite(out).all()) and float(out.abs().max()) <= 2.0**127
         torch.testing.assert_close(out.double(), x.double() @ delta.t(), rtol=1e-4, atol=0)
 
 
@@ -207,6 +208,36 @@ def test_dora_gain_is_bounded_after_folding(tiny_llama: Path, tmp_path: Path) ->
 
 # ---- 2. files are checked, not only folders ----
 
+_WATCHED: list[tuple[str, list[str]]] = []
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "open" and _WATCHED and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        path = os.fsdecode(args[0])
+        for watched, seen in _WATCHED:
+            if os.path.realpath(path) == watched:
+                seen.append(path)
+
+
+sys.addaudithook(_audit)  # audit hooks cannot be removed: this one only looks while a test watches
+
+
+class _watching:  # noqa: N801 (a context manager read as a phrase)
+    """Records every Python-level open of ``paths`` (after symlinks) while active."""
+
+    def __init__(self, *paths: Path) -> None:
+        self.seen: list[str] = []
+        self.entries = [(os.path.realpath(path), self.seen) for path in paths]
+
+    def __enter__(self) -> list[str]:
+        _WATCHED.extend(self.entries)
+        return self.seen
+
+    def __exit__(self, *exc: object) -> None:
+        for entry in self.entries:
+            _WATCHED.remove(entry)
+
+
 @pytest.fixture
 def root(tmp_path: Path, tiny_llama_adapters: dict[str, Path]) -> Path:
     """An adapter root holding a copy of ``r4_attn`` as ``root/adapter``; ``tmp_path/outside`` is not in it."""
@@ -247,8 +278,8 @@ def test_a_folder_linked_out_of_the_root_is_forbidden(manager: AdapterManager, r
 
 @pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
 def test_only_regular_files_are_opened(kind: str, manager: AdapterManager, root: Path) -> None:
-    """A FIFO would block an open for reading, a device could be endless: neither is opened (the load
-    returns at once, under a watchdog), whatever the roots."""
+    """A FIFO would block an open for reading, a device could be endless: neither is ever opened (no open
+    reaches it; the load returns at once, under a watchdog), whatever the roots."""
     folder = root / "adapter"
     name, what = {"fifo": (WEIGHTS, "is a FIFO"), "device": (WEIGHTS, "is a character device"),
                   "directory": (CONFIG, "is a directory")}[kind]
@@ -262,9 +293,11 @@ def test_only_regular_files_are_opened(kind: str, manager: AdapterManager, root:
     result: list[str] = []
     watchdog = threading.Thread(target=lambda: result.append(
         refused(manager, folder, ForbiddenAdapterPath, [f"{folder}: {name} {what}, not a regular file"])))
-    watchdog.start()
-    watchdog.join(timeout=60)
+    with _watching(folder / name) as opened:
+        watchdog.start()
+        watchdog.join(timeout=60)
     assert result, "the load blocked or failed otherwise"
+    assert opened == []
 
 
 def _swap_before_open(monkeypatch: pytest.MonkeyPatch, target: Path, swap: Callable[[], None]) -> None:
@@ -309,10 +342,13 @@ def test_a_file_swapped_between_its_check_and_its_open_is_forbidden(swap: str, m
 
 
 def test_paths_inside_files_are_never_opened(manager: AdapterManager, root: Path, tiny_llama: Path,
-                                             tmp_path: Path) -> None:
+                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``base_model_name_or_path`` and the tokenizer config's path fields point at a secret outside the root
-    (a valid tokenizer.json with one more token): the load succeeds, no Python-level open touches the
-    secret, and the tokenizer served is the folder's own (the secret's token is absent)."""
+    (a valid tokenizer.json with one more token), and ``additional_chat_templates/`` (which transformers
+    reads from a folder it is given) links to a secret template: the load succeeds, no Python-level open
+    touches a secret, the tokenizer served is the folder's own (the secret's token and template absent),
+    and the tokenizer config transformers reads has no path fields (older transformers in pyproject's
+    range opened them as given)."""
     from transformers import AutoTokenizer
 
     secret = tmp_path / "secret" / "tokenizer.json"
@@ -329,36 +365,24 @@ def test_paths_inside_files_are_never_opened(manager: AdapterManager, root: Path
                                                               "fast_tokenizer_files": [str(secret)]}))
     raw = json.loads((folder / CONFIG).read_text())
     (folder / CONFIG).write_text(json.dumps({**raw, "base_model_name_or_path": str(secret)}))
-    with _watching(secret) as opened:
+    template = secret.parent / "evil.jinja"
+    template.write_text("{{ 'secret template' }}")
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "evil.jinja").symlink_to(template)
+    seen_configs: list[dict] = []
+    real = AutoTokenizer.from_pretrained
+
+    def recording(path: str, **kwargs: object) -> object:
+        seen_configs.append(json.loads((Path(path) / "tokenizer_config.json").read_text()))
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", recording)
+    with _watching(secret, template) as opened:
         info = manager.load("pointed", folder, roots=[root])
     assert opened == []
     assert "<|secret|>" not in info.tokenizer.get_vocab() and len(info.tokenizer) == len(tokenizer) - 1
-
-
-_WATCHED: list[tuple[str, list[str]]] = []
-
-
-def _audit(event: str, args: tuple) -> None:
-    if event == "open" and _WATCHED and args and isinstance(args[0], (str, bytes, os.PathLike)):
-        path = os.fsdecode(args[0])
-        for watched, seen in _WATCHED:
-            if os.path.realpath(path) == watched:
-                seen.append(path)
-
-
-sys.addaudithook(_audit)  # audit hooks cannot be removed: this one only looks while a test watches
-
-
-class _watching:  # noqa: N801 (a context manager read as a phrase)
-    def __init__(self, path: Path) -> None:
-        self.entry: tuple[str, list[str]] = (os.path.realpath(path), [])
-
-    def __enter__(self) -> list[str]:
-        _WATCHED.append(self.entry)
-        return self.entry[1]
-
-    def __exit__(self, *exc: object) -> None:
-        _WATCHED.remove(self.entry)
+    assert "secret template" not in str(info.tokenizer.chat_template)
+    assert len(seen_configs) == 1 and not [k for k in seen_configs[0] if k.endswith(("_file", "_files"))]
 
 
 def test_the_audit_hook_sees_python_opens(tmp_path: Path) -> None:
@@ -416,6 +440,12 @@ CONFIGS = {  # id -> (config changes, message fragments); every one an InvalidAd
     "layers_bool": ({"layers_to_transform": True}, ["layers_to_transform must be", "got True"]),
     "trainable_id_huge": ({"trainable_token_indices": [10**9]}, ["vocabulary of 1000000001 tokens (trainable token "
                                                                  "id 1000000000) adds more than 65536 tokens"]),
+    "trainable_id_past_limit": ({"trainable_token_indices": [49152 + 65536]}, ["vocabulary of 114689 tokens "
+                                                                               "(trainable token id 114688) adds more "
+                                                                               "than 65536 tokens to the base model's "
+                                                                               "49152"]),
+    "trainable_id_at_limit": ({"trainable_token_indices": [49152 + 65535]}, ["trainable_token_indices lists "
+                                                                             "embed_tokens but the adapter has no"]),
 }
 
 
