@@ -22,6 +22,9 @@ DoRA's magnitude needs ``||m||_2 <= WEIGHT_BOUND``; once its scale ``g = m / ||W
 ||B_j|| ||A||_F``), which must stay within ``WEIGHT_BOUND`` (as an L2 norm over the rows, so that an
 embedding's row fits too).
 
+The same norms find NaN and inf: a norm that is not finite is looked at again, and a tensor holding a
+NaN or an inf raises ``InvalidAdapter`` naming it (so a load needs no separate pass for finiteness).
+
 Realistic adapters sit ~15 orders of magnitude below the bound (PEFT's initial ``||A||_F`` is about
 ``sqrt(r)``; trained ``||A||_F ||B||_F`` is in the tens to thousands). Norms are taken in float32 (one
 ``_foreach_norm`` per kind of tensor); only a value that may be past the bound (a norm that overflowed
@@ -31,12 +34,13 @@ NaN never passes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
 
 from loraplex.adapters.weights import AdapterWeights
-from loraplex.errors import AdapterOverflow
+from loraplex.errors import AdapterOverflow, InvalidAdapter
 
 INPUT_NORM = 2.0**64
 OUTPUT_BOUND = 2.0**127
@@ -47,15 +51,15 @@ _WHY = (f"over the bound {WEIGHT_BOUND:.3g} (= 2^127 / 2^64: a float32 step's de
 
 
 def check_pairs(source: str, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``pairs[module] = (A, B)`` (B scale-folded): ``AdapterOverflow`` naming the first module past the bound."""
+    """``pairs[module] = (A, B)`` (B scale-folded): ``AdapterOverflow`` naming the first module past the bound
+    (``InvalidAdapter`` if a tensor holds NaN or inf)."""
     if not pairs:
         return
-    a_norms = _norms([a for a, _ in pairs.values()])
-    b_norms = _norms([b for _, b in pairs.values()])
-    for (module, (a, b)), a_norm, b_norm in zip(pairs.items(), a_norms, b_norms, strict=True):
+    norms = _norms([t for pair in pairs.values() for t in pair])
+    for (module, (a, b)), a_norm, b_norm in zip(pairs.items(), norms[0::2], norms[1::2], strict=True):
         if a_norm <= _SURE and a_norm * b_norm <= _SURE:
             continue
-        a_norm, b_norm = _exact(a), _exact(b)
+        a_norm, b_norm = _exact(f"{source}: {module}.lora_A", a), _exact(f"{source}: {module}.lora_B", b)
         if not a_norm <= WEIGHT_BOUND:
             raise AdapterOverflow(f"{source}: module {module!r}: ||lora_A||_F = {a_norm:.3g}, {_WHY}")
         if not a_norm * b_norm <= WEIGHT_BOUND:
@@ -66,7 +70,7 @@ def check_pairs(source: str, pairs: Mapping[str, tuple[torch.Tensor, torch.Tenso
 def check_norms(source: str, tensors: Mapping[str, torch.Tensor]) -> None:
     """Vocabulary rows and DoRA magnitudes by name: each tensor's L2 (Frobenius) norm within the bound."""
     for (name, tensor), norm in zip(tensors.items(), _norms(list(tensors.values())), strict=True):
-        if not norm <= _SURE and not (norm := _exact(tensor)) <= WEIGHT_BOUND:
+        if not norm <= _SURE and not (norm := _exact(f"{source}: {name}", tensor)) <= WEIGHT_BOUND:
             raise AdapterOverflow(f"{source}: {name}: L2 norm {norm:.3g}, {_WHY}")
 
 
@@ -79,7 +83,7 @@ def check_dora_scales(weights: AdapterWeights) -> None:
                if v.dora_scale is not None}
     for module, (m, g, a, b) in folded.items():
         gain = m.double().abs() + 2 * g.double().abs() * torch.linalg.vector_norm(b, dim=1, dtype=torch.float64) \
-            * _exact(a)
+            * _exact(f"{weights.path}: {module}", a)
         norm = float(torch.linalg.vector_norm(gain))
         if not norm <= WEIGHT_BOUND:
             raise AdapterOverflow(f"{weights.path}: module {module!r}: DoRA's folded gain "
@@ -89,8 +93,12 @@ def check_dora_scales(weights: AdapterWeights) -> None:
 _SURE = WEIGHT_BOUND * (1 - 1e-3)  # float32 norms below this are within the bound whatever their rounding
 
 
-def _exact(tensor: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(tensor, dtype=torch.float64))
+def _exact(what: str, tensor: torch.Tensor) -> float:
+    """The L2 norm in float64; ``InvalidAdapter`` naming ``what`` if the tensor holds NaN or inf."""
+    norm = float(torch.linalg.vector_norm(tensor, dtype=torch.float64))
+    if not math.isfinite(norm) and not bool(torch.isfinite(tensor).all()):
+        raise InvalidAdapter(f"{what} contains NaN or inf values")
+    return norm
 
 
 def _norms(tensors: list[torch.Tensor]) -> list[float]:

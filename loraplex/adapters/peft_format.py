@@ -53,6 +53,8 @@ _KINDS = (
     (re.compile(r"^(?P<module>.+)\.token_adapter\.trainable_tokens_delta(?:\.[^.]+)?$"), "trainable"),
     (re.compile(r"^(?P<module>.+?)(?:\.modules_to_save(?:\.[^.]+)?)?\.weight$"), "saved"),
 )
+# module name -> (key, expected shape per kind, the text explaining them): ``_check_layout``'s verdict
+Layout = dict[str, tuple[ModuleKey, dict[str, tuple[int, ...]], str]]
 _MODULE = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<proj>\w+)$")
 
 
@@ -67,10 +69,12 @@ def read_peft_adapter(path: str | Path, model_config: ModelConfig, max_lora_rank
     raw = _config_object(read_file(folder, CONFIG_FILE, resolved_roots, MAX_CONFIG_BYTES), f"{folder}: {CONFIG_FILE}")
     config = AdapterConfig.from_dict(raw, str(folder))
     with open_weight_file(folder, allow_pickle, resolved_roots) as opened:
-        if opened.specs is not None:  # every declared shape, before a byte of data is read
-            _check_layout(str(folder), config, opened.specs, model_config, max_lora_rank)
+        specs = opened.specs  # every declared shape, checked before a byte of data is read (a pickle: after)
+        layout = _check_layout(str(folder), config, specs, model_config, max_lora_rank) if specs is not None else None
         weight_file = opened.read()
-    return _read(str(folder), raw, config, weight_file, model_config, max_lora_rank)
+    if layout is None:
+        layout = _check_layout(str(folder), config, weight_file.tensors, model_config, max_lora_rank)
+    return _read(str(folder), raw, config, weight_file, layout, model_config, max_lora_rank)
 
 
 def read_peft_adapter_from_tensors(tensors: Mapping[str, torch.Tensor], config: Mapping | str | bytes,
@@ -82,7 +86,8 @@ def read_peft_adapter_from_tensors(tensors: Mapping[str, torch.Tensor], config: 
     raw = _config_object(config if isinstance(config, Mapping) else
                          config.encode() if isinstance(config, str) else config, f"{source}: adapter_config")
     parsed = AdapterConfig.from_dict(raw, source)
-    return _read(source, raw, parsed, WeightFile(dict(tensors), None), model_config, max_lora_rank)
+    layout = _check_layout(source, parsed, tensors, model_config, max_lora_rank)
+    return _read(source, raw, parsed, WeightFile(dict(tensors), None), layout, model_config, max_lora_rank)
 
 
 def _config_object(data: Mapping | bytes, what: str) -> dict:
@@ -92,15 +97,13 @@ def _config_object(data: Mapping | bytes, what: str) -> dict:
     return dict(raw)
 
 
-def _read(source: str, raw: dict, config: AdapterConfig, weight_file: WeightFile, model_config: ModelConfig,
-          max_lora_rank: int) -> AdapterWeights:
-    """Validate and fold ``weight_file``'s tensors (the layout again, then values and bounds)."""
-    _check_layout(source, config, weight_file.tensors, model_config, max_lora_rank)
-    # one reduction over the whole file: a finite sum means no NaN/inf anywhere (else each tensor is checked)
-    finite = weight_file.flat is not None and bool(torch.isfinite(weight_file.flat.sum()))
+def _read(source: str, raw: dict, config: AdapterConfig, weight_file: WeightFile, layout: Layout,
+          model_config: ModelConfig, max_lora_rank: int) -> AdapterWeights:
+    """Validate and fold ``weight_file``'s tensors, whose ``layout`` passed ``_check_layout`` (the vocabulary
+    modules' is checked again as they are read)."""
     projection_parts, vocab_parts = _classify(source, weight_file.tensors)
-    modules, magnitudes, names = _build_modules(source, config, projection_parts, model_config, max_lora_rank,
-                                                finite, in_place=weight_file.flat is not None)
+    modules, magnitudes, names = _build_modules(source, config, projection_parts, layout,
+                                                in_place=weight_file.flat is not None)
     vocab = read_vocab_modules(source, config, vocab_parts, model_config, max_lora_rank)
     if not modules and not vocab:
         raise InvalidAdapter(f"{source}: the adapter applies to zero modules (no LoRA tensors); "
@@ -119,19 +122,21 @@ def _read(source: str, raw: dict, config: AdapterConfig, weight_file: WeightFile
 
 
 def _check_layout(source: str, config: AdapterConfig, tensors: Mapping[str, Shaped], model_config: ModelConfig,
-                  max_lora_rank: int) -> None:
+                  max_lora_rank: int) -> Layout:
     """Every tensor's name, shape and dtype against what ``config`` and the base can need; reads no value
-    (``tensors`` may be a header's declarations)."""
+    (``tensors`` may be a header's declarations). Returns the projections' layout."""
     projection_parts, vocab_parts = _classify(source, tensors)
     projections = model_config.projections()
-    for module, pair in sorted(projection_parts.items()):
-        _module_layout(source, config, module, pair, model_config, projections, max_lora_rank)
+    layout = {module: _module_layout(source, config, module, pair, model_config, projections, max_lora_rank)
+              for module, pair in sorted(projection_parts.items())}
     check_vocab_layout(source, config, vocab_parts, model_config, max_lora_rank)
+    return layout
 
 
 def _check_bounds(source: str, modules: Mapping[ModuleKey, Pair], magnitudes: Mapping[ModuleKey, torch.Tensor],
                   names: Mapping[ModuleKey, str], vocab: Mapping[str, VocabModule]) -> None:
-    """``overflow_bound``: every served (A, scale * B), DoRA magnitude and replaced vocabulary matrix."""
+    """``overflow_bound``: every served (A, scale * B), DoRA magnitude and replaced vocabulary matrix (their norms
+    also find the projections' NaN and inf: ``_build_modules`` does not look for them)."""
     check_pairs(source, {**{names[key]: pair for key, pair in modules.items()},
                          **{name: v.lora for name, v in vocab.items() if v.lora is not None}})
     check_norms(source, {**{f"{names[key]}.lora_magnitude_vector": m for key, m in magnitudes.items()},
@@ -211,20 +216,20 @@ def _module_layout(folder: str, config: AdapterConfig, module: str, pair: Mappin
 
 
 def _build_modules(folder: str, config: AdapterConfig, parts: Mapping[str, Mapping[str, torch.Tensor]],
-                   model_config: ModelConfig, max_lora_rank: int, finite: bool, in_place: bool,
+                   layout: Layout, in_place: bool,
                    ) -> tuple[dict[ModuleKey, Pair], dict[ModuleKey, torch.Tensor], dict[ModuleKey, str]]:
     """Per projection ``(A [r, in], B [out, r])`` float32, B scale-folded, DoRA magnitudes, and each key's
-    module name. ``finite``: every value is known finite; ``in_place``: the tensors are owned float32
-    views (``weight_file``), so B is folded in place, one op per distinct scale."""
-    projections = model_config.projections()
+    module name, from tensors whose ``layout`` was checked; values are not looked at (NaN and inf are found
+    by ``_check_bounds``' norms, one pass). ``in_place``: the tensors are owned float32 views
+    (``weight_file``), so B is folded in place, one op per distinct scale."""
     to_fold: dict[float, list[torch.Tensor]] = {}
     modules: dict[ModuleKey, Pair] = {}
     magnitudes: dict[ModuleKey, torch.Tensor] = {}
     names: dict[ModuleKey, str] = {}
     for module, pair in sorted(parts.items()):
-        key, shapes, why = _module_layout(folder, config, module, pair, model_config, projections, max_lora_rank)
-        a = check_tensor(folder, f"{module}.lora_A", pair["lora_A"], shapes["lora_A"], why, finite)
-        b = check_tensor(folder, f"{module}.lora_B", pair["lora_B"], shapes["lora_B"], why, finite)
+        key, shapes, why = layout[module]
+        a = check_tensor(folder, f"{module}.lora_A", pair["lora_A"], shapes["lora_A"], why, finite=True)
+        b = check_tensor(folder, f"{module}.lora_B", pair["lora_B"], shapes["lora_B"], why, finite=True)
         if in_place and b is pair["lora_B"]:
             to_fold.setdefault(config.scale_for(module), []).append(b)
         else:
@@ -232,7 +237,7 @@ def _build_modules(folder: str, config: AdapterConfig, parts: Mapping[str, Mappi
         modules[key], names[key] = (a, b), module  # [r, in], [out, r]
         if "magnitude" in pair:
             magnitudes[key] = check_tensor(folder, f"{module}.lora_magnitude_vector", pair["magnitude"],
-                                           shapes["magnitude"], finite=finite)
+                                           shapes["magnitude"], finite=True)
     for scale, bs in to_fold.items():
         torch._foreach_mul_(bs, scale)
     return modules, magnitudes, names

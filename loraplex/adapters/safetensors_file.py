@@ -116,16 +116,22 @@ def _count(value: object) -> bool:
 
 
 def tensor_views(buffer: bytearray, base: int, specs: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor]:
-    """Each tensor as a view of ``buffer`` (its data section starting at byte ``base``); a tensor not aligned
-    to its element size, or empty, is its own copy."""
+    """Each tensor as a view of ``buffer`` (its data section starting at byte ``base``): a slice of one flat
+    view per dtype; a tensor not aligned to its element size is its own copy, an empty one its own tensor."""
+    flats: dict[tuple[torch.dtype, int], torch.Tensor] = {}  # (dtype, offset % itemsize) -> the buffer as dtype
     out = {}
     for name, spec in specs.items():
-        offset, count = base + spec.start, (spec.end - spec.start) // spec.dtype.itemsize
+        size = spec.dtype.itemsize
+        offset, count = base + spec.start, (spec.end - spec.start) // size
         if count == 0:
             out[name] = torch.empty(spec.shape, dtype=spec.dtype)
             continue
-        view = torch.frombuffer(buffer, dtype=spec.dtype, count=count, offset=offset).view(spec.shape)
-        out[name] = view if offset % spec.dtype.itemsize == 0 else view.clone()
+        phase = offset % size
+        if (spec.dtype, phase) not in flats:
+            flats[spec.dtype, phase] = torch.frombuffer(buffer, dtype=spec.dtype, offset=phase,
+                                                        count=(len(buffer) - phase) // size)
+        view = flats[spec.dtype, phase][offset // size : offset // size + count].view(spec.shape)
+        out[name] = view if phase == 0 else view.clone()
     return out
 
 
