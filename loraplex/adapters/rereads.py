@@ -1,5 +1,6 @@
-"""``Rereads``: one background thread re-reading adapter versions evicted from host memory, each checked
-against the content hash it was loaded with (the version's identity); ``ReadAhead`` says which may be read."""
+"""``Rereads``: one background thread re-reading adapter versions evicted from host memory, each under the
+allowed roots it was loaded with and checked against the content hash it was loaded with (the version's
+identity); ``ReadAhead`` says which may be read."""
 
 from __future__ import annotations
 
