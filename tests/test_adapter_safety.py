@@ -59,7 +59,7 @@ def manager(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> Iterator[
     """A manager serving one good adapter, pinned in a slot."""
     manager = AdapterManager(ModelConfig.from_hf(tiny_llama), max_loras=2, max_cpu_loras=2, max_lora_rank=16,
                              writer=_NullWriter())
-    manager.acquire(manager.load("good", tiny_llama_adapters["r2_qv"]).adapter_id)
+    manager.acquire(manager.load("good", tiny_llama_adapters["r2_qv"]).version_id)
     yield manager
     manager.close()
 
@@ -157,7 +157,7 @@ def test_the_bound_is_where_a_float32_delta_stays_finite(manager: AdapterManager
                                                        f"= {factor * 2.0**63:.3g}, over the bound"])
             continue
         info = manager.load(f"edge{factor}", folder)
-        a_s, b_s = manager.host.get(info.adapter_id).modules[(0, "q_proj")]
+        a_s, b_s = manager.host.get(info.version_id).modules[(0, "q_proj")]
         delta = (b_s.double() @ a_s.double())  # [out, in]
         direction = torch.linalg.svd(delta).Vh[0]  # the input that the delta grows most
         x = (direction * 2.0**64).float()[None]  # [1, in], ||x|| = 2^64

@@ -231,7 +231,7 @@ def test_bad_adapter_fails_alone(case: str, tiny_llama: Path, tiny_llama_adapter
     manager = AdapterManager(ModelConfig.from_hf(tiny_llama), max_loras=2, max_cpu_loras=2,
                              max_lora_rank=max_rank, writer=_NullWriter())
     good = manager.load("good", tiny_llama_adapters["r2_qv"])
-    manager.acquire(good.adapter_id)
+    manager.acquire(good.version_id)
     before = (manager.list(), list(manager.slot_table.slots), manager.slot_table.version, manager.counters())
     with pytest.raises(error) as info:
         manager.load("bad", folder)

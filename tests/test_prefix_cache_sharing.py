@@ -125,8 +125,8 @@ def test_a_key_without_the_version_would_be_caught(tiny_llama: Path, tiny_llama_
     llm = make_llm(tiny_llama, True, {"a": tiny_llama_adapters["r8_all"]}, debug_checks=debug_checks)
     real_chain = scheduler_module.extend_chain
 
-    def mutated_chain(keys: list[bytes], tokens: list[int], adapter_id: int | None, block_size: int) -> list[bytes]:
-        name = llm.engine.adapters.info(adapter_id).name if adapter_id is not None else None
+    def mutated_chain(keys: list[bytes], tokens: list[int], version_id: int | None, block_size: int) -> list[bytes]:
+        name = llm.engine.adapters.info(version_id).name if version_id is not None else None
         stand_in = None if keyed_on == "nothing" or name is None else zlib.crc32(name.encode())
         return real_chain(keys, tokens, stand_in, block_size)
 

@@ -24,14 +24,14 @@ class Slots:
     def read_ahead(self, wanted: Iterable[int]) -> None:
         self.wanted.append(list(wanted))
 
-    def try_acquire(self, adapter_id: int) -> int | None:
-        return self.table.acquire(adapter_id).slot if self.table.can_acquire(adapter_id) else None
+    def try_acquire(self, version_id: int) -> int | None:
+        return self.table.acquire(version_id).slot if self.table.can_acquire(version_id) else None
 
-    def release(self, adapter_id: int) -> None:
-        self.table.release(adapter_id)
+    def release(self, version_id: int) -> None:
+        self.table.release(version_id)
 
-    def resident(self, adapter_id: int) -> bool:
-        return adapter_id in self.table.slot_of
+    def resident(self, version_id: int) -> bool:
+        return version_id in self.table.slot_of
 
 
 def make(max_loras: int, max_num_seqs: int, max_skip_steps: int = 64, blocks: int = 4096) -> tuple[Scheduler, Slots]:

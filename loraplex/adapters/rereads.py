@@ -32,13 +32,13 @@ class Rereads:
 
     def start(self, info: AdapterInfo) -> None:
         with self._lock:
-            if info.adapter_id not in self._pending and self.ahead.allows(info.adapter_id):
-                self._pending[info.adapter_id] = self._executor.submit(self._reread, info)
+            if info.version_id not in self._pending and self.ahead.allows(info.version_id):
+                self._pending[info.version_id] = self._executor.submit(self._reread, info)
 
-    def wait(self, adapter_id: int, timeout: float | None = None) -> None:
-        """Block until a pending re-read of ``adapter_id`` (if any) has finished."""
+    def wait(self, version_id: int, timeout: float | None = None) -> None:
+        """Block until a pending re-read of ``version_id`` (if any) has finished."""
         with self._lock:
-            future = self._pending.get(adapter_id)
+            future = self._pending.get(version_id)
         if future is not None:
             future.result(timeout)
 
@@ -49,7 +49,7 @@ class Rereads:
     def _reread(self, info: AdapterInfo) -> None:
         weights: AdapterWeights | None = None
         error: AdapterError | None = None
-        who = f"{info.path}: adapter {info.name!r} (id {info.adapter_id})"
+        who = f"{info.path}: adapter {info.name!r} (id {info.version_id})"
         try:
             weights = self._read(info.path, info.roots)
             if weights.content_hash != info.content_hash:
@@ -60,4 +60,4 @@ class Rereads:
             self._done(info, None if error else weights, error)
         finally:
             with self._lock:
-                del self._pending[info.adapter_id]
+                del self._pending[info.version_id]

@@ -1,7 +1,7 @@
 """``VersionTable``: adapter names -> the versions held for each, which one the name serves, and an
 optional weighted split between held versions (a canary).
 
-- Every load makes a version (``AdapterInfo.adapter_id``, shown as ``v<id>``); loading an existing name
+- Every load makes a version (``AdapterInfo.version_id``, shown as ``v<id>``); loading an existing name
   as a new version *promotes* it: the name moves to it in one step, and the version it served stays
   held (its requests in flight finish on it; new requests may be rolled back to it).
 - ``rollback(name)`` moves the name back to the held version loaded before the current one.
@@ -31,7 +31,7 @@ class VersionTable:
         self.max_held = max_held
         self._held: dict[str, list[AdapterInfo]] = {}  # oldest first
         self._current: dict[str, AdapterInfo] = {}
-        self._split: dict[str, list[list[float]]] = {}  # name -> [[adapter_id, weight, running score]]
+        self._split: dict[str, list[list[float]]] = {}  # name -> [[version_id, weight, running score]]
         self._by_id: dict[int, AdapterInfo] = {}
         self.served: dict[int, int] = {}  # adapter id -> engine requests routed to it (held versions)
         self.in_flight: dict[int, int] = {}  # adapter id -> engine requests holding it now (held or not)
@@ -45,13 +45,13 @@ class VersionTable:
 
     def all_held(self) -> list[AdapterInfo]:
         """Every held version, in id order."""
-        return sorted(self._by_id.values(), key=lambda i: i.adapter_id)
+        return sorted(self._by_id.values(), key=lambda i: i.version_id)
 
     def held(self, name: str) -> list[AdapterInfo]:
         return list(self._held.get(name, ()))
 
-    def is_held(self, adapter_id: int) -> bool:
-        return adapter_id in self._by_id
+    def is_held(self, version_id: int) -> bool:
+        return version_id in self._by_id
 
     def split(self, name: str) -> dict[int, float]:
         return {int(entry[0]): entry[1] for entry in self._split.get(name, ())}
@@ -60,8 +60,8 @@ class VersionTable:
         """Hold ``info`` and move its name to it; returns the versions retired past ``max_held``."""
         held = self._held.setdefault(info.name, [])
         held.append(info)
-        self._by_id[info.adapter_id] = info
-        self.served[info.adapter_id] = 0
+        self._by_id[info.version_id] = info
+        self.served[info.version_id] = 0
         self._current[info.name] = info
         self._split.pop(info.name, None)
         retired = held[: max(0, len(held) - self.max_held)]
@@ -77,8 +77,8 @@ class VersionTable:
         held = self._held.pop(name)
         self._split.pop(name, None)
         for info in held:
-            del self._by_id[info.adapter_id]
-            self.served.pop(info.adapter_id, None)
+            del self._by_id[info.version_id]
+            self.served.pop(info.version_id, None)
         return [i for i in held if i is not current] + [current]
 
     def rollback(self, name: str) -> AdapterInfo:
@@ -88,7 +88,7 @@ class VersionTable:
         index = held.index(current)
         if index == 0:
             raise AdapterVersionConflict(
-                f"adapter {name!r} holds no version older than v{current.adapter_id} to roll back to")
+                f"adapter {name!r} holds no version older than v{current.version_id} to roll back to")
         self._current[name] = held[index - 1]
         self._split.pop(name, None)
         return held[index - 1]
@@ -96,7 +96,7 @@ class VersionTable:
     def set_split(self, name: str, weights: Mapping[int, float]) -> None:
         """Route ``name``'s new requests among held versions by ``weights`` (positive, summing to 1)."""
         self._require(name)
-        ids = {i.adapter_id for i in self._held[name]}
+        ids = {i.version_id for i in self._held[name]}
         unknown = sorted(set(weights) - ids)
         if not weights or unknown:
             raise UnknownAdapter(f"adapter {name!r} holds no version {', '.join(f'v{i}' for i in unknown)}"
@@ -109,16 +109,16 @@ class VersionTable:
             return
         self._split[name] = [[float(i), w, 0.0] for i, w in sorted(weights.items())]
 
-    def route(self, name: str, adapter_id: int | None = None) -> AdapterInfo:
-        """The version a new request of ``name`` runs on: ``adapter_id`` if given (it must be held for
+    def route(self, name: str, version_id: int | None = None) -> AdapterInfo:
+        """The version a new request of ``name`` runs on: ``version_id`` if given (it must be held for
         ``name``; routed before, so not counted again), else the split's next pick or the current version,
         counted as serving one more request."""
         current = self._require(name)
         entries = self._split.get(name)
-        if adapter_id is not None:
-            info = self._by_id.get(adapter_id)
+        if version_id is not None:
+            info = self._by_id.get(version_id)
             if info is None or info.name != name:
-                raise UnknownAdapter(f"adapter {name!r} holds no version v{adapter_id}")
+                raise UnknownAdapter(f"adapter {name!r} holds no version v{version_id}")
             return info
         if entries:
             for entry in entries:  # smooth weighted round-robin
@@ -128,35 +128,35 @@ class VersionTable:
             info = self._by_id[int(best[0])]
         else:
             info = current
-        self.served[info.adapter_id] += 1
+        self.served[info.version_id] += 1
         return info
 
-    def hold(self, name: str, adapter_id: int | None = None) -> AdapterInfo:
-        """``route(name, adapter_id)`` for one engine request, which holds the version until ``release``."""
-        info = self.route(name, adapter_id)
-        self.in_flight[info.adapter_id] = self.in_flight.get(info.adapter_id, 0) + 1
+    def hold(self, name: str, version_id: int | None = None) -> AdapterInfo:
+        """``route(name, version_id)`` for one engine request, which holds the version until ``release``."""
+        info = self.route(name, version_id)
+        self.in_flight[info.version_id] = self.in_flight.get(info.version_id, 0) + 1
         return info
 
-    def release(self, adapter_id: int) -> bool:
-        """One request holding ``adapter_id`` ended; True if it was the last one and the version is no longer
+    def release(self, version_id: int) -> bool:
+        """One request holding ``version_id`` ended; True if it was the last one and the version is no longer
         held (unloaded or retired meanwhile): nothing can use it any more."""
-        left = self.in_flight[adapter_id] - 1
+        left = self.in_flight[version_id] - 1
         if left:
-            self.in_flight[adapter_id] = left
+            self.in_flight[version_id] = left
             return False
-        del self.in_flight[adapter_id]
-        return not self.is_held(adapter_id)
+        del self.in_flight[version_id]
+        return not self.is_held(version_id)
 
-    def in_use(self, adapter_id: int) -> bool:
-        """Whether a request in flight holds ``adapter_id``."""
-        return adapter_id in self.in_flight
+    def in_use(self, version_id: int) -> bool:
+        """Whether a request in flight holds ``version_id``."""
+        return version_id in self.in_flight
 
     def listing(self) -> list[dict[str, Any]]:
         """Every name with its current version, split and held versions, as JSON-serialisable data."""
-        return [{"name": name, "current": f"v{current.adapter_id}",
+        return [{"name": name, "current": f"v{current.version_id}",
                  "split": {f"v{i}": w for i, w in self.split(name).items()} or None,
-                 "versions": [{"id": f"v{i.adapter_id}", "content_hash": i.content_hash, "path": str(i.path),
-                               "loaded_at": i.loaded_at, "requests_served": self.served[i.adapter_id]}
+                 "versions": [{"id": f"v{i.version_id}", "content_hash": i.content_hash, "path": str(i.path),
+                               "loaded_at": i.loaded_at, "requests_served": self.served[i.version_id]}
                               for i in self._held[name]]}
                 for name, current in self._current.items()]
 
@@ -168,7 +168,7 @@ class VersionTable:
 
     def _forget(self, info: AdapterInfo) -> None:
         self._held[info.name].remove(info)
-        del self._by_id[info.adapter_id]
-        self.served.pop(info.adapter_id, None)
+        del self._by_id[info.version_id]
+        self.served.pop(info.version_id, None)
         for entries in self._split.values():
-            entries[:] = [e for e in entries if int(e[0]) != info.adapter_id]
+            entries[:] = [e for e in entries if int(e[0]) != info.version_id]

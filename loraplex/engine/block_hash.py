@@ -21,27 +21,27 @@ ROOT = bytes(32)  # the parent key of a sequence's first block
 _BASE = b"\x00" + bytes(8)  # the base model; adapter versions are b"\x01" + their id
 
 
-def version_tag(adapter_id: int | None) -> bytes:
+def version_tag(version_id: int | None) -> bytes:
     """The canonical 9-byte encoding of an adapter version (None = the base model)."""
-    return _BASE if adapter_id is None else b"\x01" + adapter_id.to_bytes(8, "little", signed=True)
+    return _BASE if version_id is None else b"\x01" + version_id.to_bytes(8, "little", signed=True)
 
 
-def block_key(parent: bytes, token_ids: Sequence[int], adapter_id: int | None) -> bytes:
+def block_key(parent: bytes, token_ids: Sequence[int], version_id: int | None) -> bytes:
     """The 32-byte key of one full block: SHA-256 of ``parent | version | len | tokens (int64)``."""
     tokens = array("q", token_ids)
     if tokens.itemsize != 8:
         raise RuntimeError("array('q') is not 64-bit on this platform")
     h = hashlib.sha256(parent)
-    h.update(version_tag(adapter_id))
+    h.update(version_tag(version_id))
     h.update(len(tokens).to_bytes(4, "little"))
     h.update(tokens.tobytes())
     return h.digest()
 
 
-def extend_chain(keys: list[bytes], token_ids: Sequence[int], adapter_id: int | None, block_size: int) -> list[bytes]:
+def extend_chain(keys: list[bytes], token_ids: Sequence[int], version_id: int | None, block_size: int) -> list[bytes]:
     """Append to ``keys`` (the keys of ``token_ids``' first ``len(keys)`` blocks) the keys of its
     remaining full blocks; returns ``keys``. A partial last block has no key."""
     for i in range(len(keys), len(token_ids) // block_size):
         parent = keys[i - 1] if i else ROOT
-        keys.append(block_key(parent, token_ids[i * block_size:(i + 1) * block_size], adapter_id))
+        keys.append(block_key(parent, token_ids[i * block_size:(i + 1) * block_size], version_id))
     return keys

@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 class _Retire:
     """Inbox item: an adapter version was dropped (no request holds it); its cached blocks are freed."""
 
-    adapter_id: int
+    version_id: int
 
 
 def _pick_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -128,8 +128,8 @@ class Engine:
 
     def _retire_dropped(self) -> None:
         """Versions dropped (unloaded and their last request ended): their cached KV blocks are freed next step."""
-        for adapter_id in self.adapters.drain_dropped():
-            self._inbox.put(_Retire(adapter_id))
+        for version_id in self.adapters.drain_dropped():
+            self._inbox.put(_Retire(version_id))
 
     def route_adapter(self, name: str) -> AdapterInfo:
         """The version ``name``'s next request runs on (split pick or current; counted), for ``adapter_version``."""
@@ -173,8 +173,8 @@ class Engine:
         """The live versions that ship their own tokenizer, as plain data (``engine/tokenizers.py``)."""
         return TokenizerTable.of(self.adapters.list(), self.model_config.vocab_size)
 
-    def _version(self, adapter_id: int | None) -> tuple[PreTrainedTokenizerBase | None, int]:
-        return self.intake.version(adapter_id)
+    def _version(self, version_id: int | None) -> tuple[PreTrainedTokenizerBase | None, int]:
+        return self.intake.version(version_id)
 
     # ---- requests (any thread) ----
     def tokenize(self, prompt: str | list[int], adapter: str | None = None) -> list[int]:
@@ -220,7 +220,7 @@ class Engine:
         entries = [StepEntry(tuple(s.request.all_token_ids[s.start:s.start + s.num_tokens]), s.start,
                              tuple(s.request.block_table), needs_prompt_rows(s.request, s.start, s.num_tokens))
                    for s in batch]
-        mapping = BatchMapping.from_sequences([(s.request.adapter_id, s.num_tokens) for s in batch])
+        mapping = BatchMapping.from_sequences([(s.request.version_id, s.num_tokens) for s in batch])
         try:
             lora = self.adapters.lora_batch(mapping)
             if self.config.debug_checks:
@@ -258,7 +258,7 @@ class Engine:
                 for request in self._compiling.hold(item):
                     self.scheduler.add(request)
             elif isinstance(item, _Retire):
-                self.allocator.retire(item.adapter_id)
+                self.allocator.retire(item.version_id)
                 release_free_memory()  # its weights were freed: hand the pages back (engine/memory.py)
             elif (request := self._requests.get(item)) is not None:
                 self._compiling.remove(request)
@@ -272,9 +272,9 @@ class Engine:
         """Requests whose adapter version can no longer be served (e.g. its files changed) fail alone."""
         outputs = []
         for request in list(self.scheduler.waiting):
-            if request.adapter_id is None or request.pinned:  # a pinned version stays servable
+            if request.version_id is None or request.pinned:  # a pinned version stays servable
                 continue
-            error = self.adapters.failure(request.adapter_id)
+            error = self.adapters.failure(request.version_id)
             if error is not None:
                 outputs.append(self._finish(request, "error", error))
         return outputs

@@ -33,9 +33,9 @@ class RequestIntake:
         self._generator = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
 
-    def version(self, adapter_id: int | None) -> tuple[PreTrainedTokenizerBase | None, int]:
-        """(tokenizer, vocabulary size) that a request for ``adapter_id`` (None: the base) uses."""
-        info = self.adapters.info(adapter_id) if adapter_id is not None else None
+    def version(self, version_id: int | None) -> tuple[PreTrainedTokenizerBase | None, int]:
+        """(tokenizer, vocabulary size) that a request for ``version_id`` (None: the base) uses."""
+        info = self.adapters.info(version_id) if version_id is not None else None
         tokenizer = info.tokenizer if info is not None and info.tokenizer is not None else self.tokenizer
         return tokenizer, (info.vocab_size if info is not None and info.vocab_size else self.vocab_size)
 
@@ -67,25 +67,25 @@ class RequestIntake:
 
     def make(self, request_id: str | None, prompt: str | list[int], params: SamplingParams, adapter: str | None,
              detokenize: bool, adapter_version: int | None = None) -> Request:
-        adapter_id = self.adapters.hold(adapter, adapter_version).adapter_id if adapter is not None else None
+        version_id = self.adapters.hold(adapter, adapter_version).version_id if adapter is not None else None
         try:
-            request = self._build(request_id, prompt, params, adapter, adapter_id, detokenize)
+            request = self._build(request_id, prompt, params, adapter, version_id, detokenize)
         except BaseException:
-            if adapter_id is not None:
-                self.adapters.release_hold(adapter_id)
+            if version_id is not None:
+                self.adapters.release_hold(version_id)
             raise
-        request.holds_version = adapter_id is not None
+        request.holds_version = version_id is not None
         return request
 
     def release(self, request: Request) -> None:
         """Release the hold of a request that will never be queued."""
         if request.holds_version:
-            self.adapters.release_hold(request.adapter_id)
+            self.adapters.release_hold(request.version_id)
             request.holds_version = False
 
     def _build(self, request_id: str | None, prompt: str | list[int], params: SamplingParams, adapter: str | None,
-               adapter_id: int | None, detokenize: bool) -> Request:
-        tokenizer, vocab_size = self.version(adapter_id)  # the version's own tokenizer, if it ships one
+               version_id: int | None, detokenize: bool) -> Request:
+        tokenizer, vocab_size = self.version(version_id)  # the version's own tokenizer, if it ships one
         params.validate(vocab_size)
         if params.n != 1:
             raise RequestError(f"an engine request is one choice, got n={params.n}: submit params.choices() "
@@ -96,4 +96,4 @@ class RequestIntake:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         detokenizer = IncrementalDetokenizer(tokenizer, params.stop) if detokenize else None
         grammar = self.grammars.state_for(params.structured_outputs, tokenizer, vocab_size)  # compiles off the loop
-        return Request(request_id, token_ids, params, adapter, adapter_id, generator, detokenizer, grammar=grammar)
+        return Request(request_id, token_ids, params, adapter, version_id, generator, detokenizer, grammar=grammar)

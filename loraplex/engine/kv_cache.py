@@ -25,7 +25,7 @@ class PrefixMatch:
     """What ``BlockManager.match`` found for one sequence: the cached blocks of its longest keyed prefix."""
 
     blocks: tuple[int, ...]  # block_table[:len(blocks)] for the sequence, already computed
-    adapter_id: int | None  # the version the keys were made with
+    version_id: int | None  # the version the keys were made with
     queried_tokens: int  # the sequence's tokens when it looked (for the hit-rate counters)
     hit_tokens: int  # len(blocks) * block_size
 
@@ -91,8 +91,8 @@ class BlockManager:
     def version_of(self, block: int) -> int | None:
         return self._versions[block]
 
-    def match(self, keys: Sequence[bytes], adapter_id: int | None, num_tokens: int) -> PrefixMatch:
-        """The blocks of the longest prefix of ``keys`` (a sequence's chain, made with ``adapter_id``)
+    def match(self, keys: Sequence[bytes], version_id: int | None, num_tokens: int) -> PrefixMatch:
+        """The blocks of the longest prefix of ``keys`` (a sequence's chain, made with ``version_id``)
         that are in the index, referenced or cached. Changes nothing."""
         blocks: list[int] = []
         if self.caching:
@@ -101,21 +101,21 @@ class BlockManager:
                 if block is None:
                     break
                 blocks.append(block)
-        return PrefixMatch(tuple(blocks), adapter_id, num_tokens, len(blocks) * self.block_size)
+        return PrefixMatch(tuple(blocks), version_id, num_tokens, len(blocks) * self.block_size)
 
     def can_allocate(self, n: int, prefix: PrefixMatch | None = None) -> bool:
         """Whether ``n`` fresh blocks (after taking ``prefix``'s, which may be cached ones) are available."""
         reused = sum(1 for b in prefix.blocks if self._refs[b] == 0) if prefix else 0
         return 0 <= n and n + reused <= self.num_free
 
-    def allocate(self, n: int, adapter_id: int | None, prefix: PrefixMatch | None = None) -> list[int]:
+    def allocate(self, n: int, version_id: int | None, prefix: PrefixMatch | None = None) -> list[int]:
         """A block table: ``prefix``'s blocks (one more reference each) then ``n`` fresh blocks written by
-        a sequence of ``adapter_id``, evicting cached blocks when no free one is left. Counts the lookup.
+        a sequence of ``version_id``, evicting cached blocks when no free one is left. Counts the lookup.
         Raises ``RuntimeError`` if ``can_allocate(n, prefix)`` is false."""
         if not self.can_allocate(n, prefix):
             raise RuntimeError(f"cannot allocate {n} KV blocks: {self.num_free} of {self.num_total} free")
-        if prefix is not None and prefix.adapter_id != adapter_id:
-            raise ValueError(f"a prefix of version {prefix.adapter_id} cannot start a sequence of {adapter_id}")
+        if prefix is not None and prefix.version_id != version_id:
+            raise ValueError(f"a prefix of version {prefix.version_id} cannot start a sequence of {version_id}")
         shared = list(prefix.blocks) if prefix else []
         for b in shared:
             if self._refs[b] == 0:
@@ -124,9 +124,9 @@ class BlockManager:
         fresh = [self._free.pop() if self._free else self._evict() for _ in range(n)]
         for b in fresh:
             self._refs[b] = 1
-            self._versions[b] = adapter_id
+            self._versions[b] = version_id
         if prefix is not None and self.caching:
-            for c in (self.totals, self._by_version.setdefault(adapter_id, PrefixCounts())):
+            for c in (self.totals, self._by_version.setdefault(version_id, PrefixCounts())):
                 c.queried_tokens += prefix.queried_tokens
                 c.hit_tokens += prefix.hit_tokens
         return shared + fresh
@@ -171,29 +171,29 @@ class BlockManager:
                 self._free.append(b)
         self._pending.clear()
 
-    def retire(self, adapter_id: int) -> None:
-        """``adapter_id`` was dropped (unloaded or retired, and no sequence of it is left): its cached blocks are
+    def retire(self, version_id: int) -> None:
+        """``version_id`` was dropped (unloaded or retired, and no sequence of it is left): its cached blocks are
         freed now (their keys hold the version, so nothing else could match them) and its lookup counters
         dropped. Raises ``ValueError`` (changing nothing) if a block of it is still referenced."""
-        if any(self._refs[b] and self._versions[b] == adapter_id for b in range(self.num_total)):
-            raise ValueError(f"adapter version {adapter_id} still has referenced KV blocks: it cannot be retired")
-        for b in [b for b in self._cached if self._versions[b] == adapter_id]:
+        if any(self._refs[b] and self._versions[b] == version_id for b in range(self.num_total)):
+            raise ValueError(f"adapter version {version_id} still has referenced KV blocks: it cannot be retired")
+        for b in [b for b in self._cached if self._versions[b] == version_id]:
             del self._cached[b]
             self._pending.pop(b, None)
             self._unkey(b)
             self._free.append(b)
-        self._by_version.pop(adapter_id, None)
+        self._by_version.pop(version_id, None)
 
     def counts_by_version(self) -> dict[int | None, PrefixCounts]:
         """Lookup counters per adapter version (None = base) not retired; a copy."""
         return {v: PrefixCounts(c.queried_tokens, c.hit_tokens) for v, c in self._by_version.copy().items()}
 
-    def check_sequence(self, block_table: Sequence[int], keys: Sequence[bytes], adapter_id: int | None) -> None:
-        """Debug check: every block of a sequence of ``adapter_id`` (chain ``keys``) is referenced, was
+    def check_sequence(self, block_table: Sequence[int], keys: Sequence[bytes], version_id: int | None) -> None:
+        """Debug check: every block of a sequence of ``version_id`` (chain ``keys``) is referenced, was
         written under that version, and if keyed, holds the key of its place in the chain."""
         for i, b in enumerate(block_table):
-            if self._refs[b] < 1 or self._versions[b] != adapter_id:
-                raise AssertionError(f"block {i} (#{b}) of a sequence of adapter version {adapter_id} holds K/V of "
+            if self._refs[b] < 1 or self._versions[b] != version_id:
+                raise AssertionError(f"block {i} (#{b}) of a sequence of adapter version {version_id} holds K/V of "
                                      f"version {self._versions[b]} (references {self._refs[b]})")
             if self._keys[b] is not None and i < len(keys) and self._keys[b] != keys[i]:
                 raise AssertionError(f"block {i} (#{b}) is keyed for other contents than the sequence's chain")

@@ -70,13 +70,13 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """Engine-side state of one request. ``adapter_id`` is the adapter *version* it resolved to."""
+    """Engine-side state of one request. ``version_id`` is the adapter *version* it resolved to."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter: str | None
-    adapter_id: int | None
+    version_id: int | None
     generator: torch.Generator | None
     detokenizer: IncrementalDetokenizer | None = None  # None: no stop strings, no text (token ids only)
     arrival_step: int = 0

@@ -124,7 +124,7 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs or budget <= 0:
                 break
             eligible = self._chain(request)[: self._reusable_tokens(request) // self.config.block_size]
-            prefix = self.allocator.match(eligible, request.adapter_id, request.num_tokens)
+            prefix = self.allocator.match(eligible, request.version_id, request.num_tokens)
             start = prefix.hit_tokens
             n = min(request.num_tokens - start, budget)
             blocks = self._blocks_for(start + n) - len(prefix.blocks)
@@ -132,16 +132,16 @@ class Scheduler:
                 break  # the cache is full for everyone behind it too
             if blocked and not self._rides_along(request):
                 continue
-            if request.adapter_id is not None and not request.pinned:
+            if request.version_id is not None and not request.pinned:
                 # One locked ask-and-do: a concurrent load cannot slip between the two.
-                resident = self.adapters.resident(request.adapter_id)
-                if self.adapters.try_acquire(request.adapter_id) is None:
+                resident = self.adapters.resident(request.version_id)
+                if self.adapters.try_acquire(request.version_id) is None:
                     blocked = blocked or strict
                     continue
                 request.pinned = True
                 if not resident:
                     self.fair_share.charge_swap(request)
-            request.block_table = self.allocator.allocate(blocks, request.adapter_id, prefix)
+            request.block_table = self.allocator.allocate(blocks, request.version_id, prefix)
             request.num_computed_tokens = start
             self._key_filled_blocks(request, start, n)
             self.fair_share.charge_tokens(request, start, n)
@@ -151,7 +151,7 @@ class Scheduler:
             admitted.append(ScheduledRequest(request, start, n))
             budget -= n
         # the next pass's order (iterating it charges nothing): its cold adapters are read in the background now
-        wanted = (r.adapter_id for r in self._waiting_order() if r.adapter_id is not None and not r.pinned)
+        wanted = (r.version_id for r in self._waiting_order() if r.version_id is not None and not r.pinned)
         self.adapters.read_ahead(wanted)
         return admitted
 
@@ -174,17 +174,17 @@ class Scheduler:
     def _rides_along(self, request: Request) -> bool:
         """Whether ``request`` may go ahead of a starving one without delaying it: it needs no adapter, or
         its adapter is pinned by running requests and it will not outlast them (the slot frees no later)."""
-        if request.adapter_id is None:
+        if request.version_id is None:
             return True
         horizon = max((r.params.max_tokens - len(r.output_token_ids) for r in self.running
-                       if r.adapter_id == request.adapter_id), default=None)
+                       if r.version_id == request.version_id), default=None)
         return horizon is not None and request.params.max_tokens - len(request.output_token_ids) <= horizon
 
     def _chain(self, request: Request) -> list[bytes]:
         """The keys of the request's full blocks (its prompt and outputs), computed once each; empty when
         prefix caching is off."""
         if self.allocator.caching and len(request.block_keys) < request.num_tokens // self.config.block_size:
-            extend_chain(request.block_keys, request.all_token_ids, request.adapter_id, self.config.block_size)
+            extend_chain(request.block_keys, request.all_token_ids, request.version_id, self.config.block_size)
         return request.block_keys
 
     def _key_filled_blocks(self, request: Request, start: int, n: int) -> None:
@@ -208,7 +208,7 @@ class Scheduler:
                 return False
             self.preempt(victims[0])
         if need > 0:
-            request.block_table += self.allocator.allocate(need, request.adapter_id)
+            request.block_table += self.allocator.allocate(need, request.version_id)
         return True
 
     def update(self, scheduled: Sequence[ScheduledRequest], tokens: Sequence[int]) -> list[Request]:
@@ -284,8 +284,8 @@ class Scheduler:
             self.allocator.free(request.block_table)
             request.block_table = []
         if request.pinned:
-            self.adapters.release(request.adapter_id)
+            self.adapters.release(request.version_id)
             request.pinned = False
         if request.holds_version:
-            self.adapters.release_hold(request.adapter_id)
+            self.adapters.release_hold(request.version_id)
             request.holds_version = False

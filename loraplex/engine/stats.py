@@ -53,7 +53,7 @@ def collect_stats(config: EngineConfig, scheduler: Scheduler, blocks: BlockManag
     requests in flight per loaded adapter name (a request of an unloaded name is counted in the totals only)."""
     c = adapters.counters()
     names: dict[int | None, str | None] = {None: None}
-    names.update((info.adapter_id, info.name) for info in adapters.list())
+    names.update((info.version_id, info.name) for info in adapters.list())
     by_version = blocks.counts_by_version()
     live = set(names.values())
     in_flight: dict[str | None, list[int]] = {}

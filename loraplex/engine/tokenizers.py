@@ -36,7 +36,7 @@ from loraplex.errors import UnknownAdapter
 class TokenizerSource:
     """One adapter version's own tokenizer, as plain data."""
 
-    adapter_id: int  # the version
+    version_id: int  # the version
     folder: str  # the adapter folder it is read from
     vocab_size: int  # the version's vocabulary (its tokenizer may not exceed it)
 
@@ -50,7 +50,7 @@ class TokenizerTable:
     @classmethod
     def of(cls, infos: Iterable[AdapterInfo], base_vocab_size: int) -> TokenizerTable:
         """The table of the live versions ``infos`` (``Engine.list_adapters()``)."""
-        return cls({i.name: TokenizerSource(i.adapter_id, str(i.path), i.vocab_size or base_vocab_size)
+        return cls({i.name: TokenizerSource(i.version_id, str(i.path), i.vocab_size or base_vocab_size)
                     for i in infos if i.tokenizer is not None})
 
     def get(self, adapter: str | None) -> TokenizerSource | None:
@@ -74,11 +74,11 @@ class TokenizerCache:
         if source is None:
             return self.base
         with self._lock:
-            cached = self._by_version.get(source.adapter_id)
+            cached = self._by_version.get(source.version_id)
         if cached is None:
             cached = read_adapter_tokenizer(source.folder, self.base, source.vocab_size) or self.base
             with self._lock:
-                self._by_version[source.adapter_id] = cached
+                self._by_version[source.version_id] = cached
         return cached
 
     def cached(self, table: TokenizerTable, adapter: str | None) -> Any:
@@ -86,14 +86,14 @@ class TokenizerCache:
         model's tokenizer."""
         source = table.get(adapter)
         with self._lock:
-            return self.base if source is None else self._by_version.get(source.adapter_id, self.base)
+            return self.base if source is None else self._by_version.get(source.version_id, self.base)
 
     def prune(self, table: TokenizerTable) -> None:
         """Forget the versions that are not in ``table`` (unloaded or replaced)."""
         with self._lock:
             if len(self._by_version) > len(table.sources) or any(
-                    s.adapter_id not in self._by_version for s in table.sources.values()):
-                live = {s.adapter_id for s in table.sources.values()}
+                    s.version_id not in self._by_version for s in table.sources.values()):
+                live = {s.version_id for s in table.sources.values()}
                 self._by_version = {k: v for k, v in self._by_version.items() if k in live}
 
     def load(self, table: TokenizerTable) -> None:

@@ -100,7 +100,7 @@ def install_adapter_routes(app: FastAPI, client: EngineClient, policy: AdapterPa
             raise
         metrics.runtime_loads.labels("ok").inc()
         reset_openapi(app)  # its name and vocabulary join the schema
-        logger.info("loaded adapter %r version v%d from %s", body.lora_name, info.adapter_id, path)
+        logger.info("loaded adapter %r version v%d from %s", body.lora_name, info.version_id, path)
         return {"status": "ok", "message": f"adapter {body.lora_name!r} loaded",
                 **adapter_card(info)}
 
@@ -127,7 +127,7 @@ def install_adapter_routes(app: FastAPI, client: EngineClient, policy: AdapterPa
     async def rollback_adapter(name: str, request: Request) -> dict:
         manager(request, name)
         info = await client.rollback_adapter(name)
-        logger.info("adapter %r rolled back to v%d", name, info.adapter_id)
+        logger.info("adapter %r rolled back to v%d", name, info.version_id)
         return await entry_of(name)
 
     @app.post("/v1/adapters/{name}/split", response_model=AdapterVersions,

@@ -95,7 +95,7 @@ async def _route(engine: EngineClient, gen: Generation) -> tuple[RequestTags, st
         return gen.tags, BASE_VERSION
     info = await engine.route_adapter(gen.adapter)
     gen.builder.system_fingerprint = info.content_hash
-    return replace(gen.tags, adapter_version=info.adapter_id), f"v{info.adapter_id}"
+    return replace(gen.tags, adapter_version=info.version_id), f"v{info.version_id}"
 
 
 async def run_generation(engine: EngineClient, metrics: ServerMetrics, gen: Generation, request: Request,
