@@ -205,7 +205,8 @@ BAD = {
                             ["no adapter_model.safetensors"]),
     "corrupt_safetensors": ("r4_attn", None, None,
                             lambda f: (f / "adapter_model.safetensors").write_bytes(b"\x08garbage"), 16,
-                            InvalidAdapter, ["cannot read adapter_model.safetensors"]),
+                            InvalidAdapter, ["adapter_model.safetensors: header length", "runs past the end of the "
+                                             "file (8 bytes)"]),
 }
 
 

@@ -3,15 +3,24 @@
 PEFT options that change the forward pass in ways loraplex does not serve raise ``UnsupportedAdapter``
 naming the option; ``modules_to_save`` and ``trainable_token_indices`` are served for ``embed_tokens``
 and ``lm_head`` only (any other module would replace a whole base layer).
+
+The config is untrusted input: every field is type-checked here (``InvalidAdapter`` naming it), and its
+regexes (``target_modules`` / ``exclude_modules`` strings, ``rank_pattern`` / ``alpha_pattern`` keys) are
+compiled at load and matched with RE2 (``google-re2``), in time linear in the module name whatever
+the pattern (Python's ``re`` takes exponential time on ``m([\\w.]+)+!``). RE2 has no lookaround or
+backreferences: a pattern using them is refused, naming it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-import re
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import re2
 
 from loraplex.adapters.weights import VOCAB_MODULES
 from loraplex.errors import InvalidAdapter, UnsupportedAdapter
@@ -19,6 +28,11 @@ from loraplex.errors import InvalidAdapter, UnsupportedAdapter
 # PEFT options that change the forward pass beyond what loraplex serves: refused when set.
 _UNSUPPORTED_FEATURES = ("target_parameters", "layer_replication", "alora_invocation_tokens", "use_qalora",
                          "use_bdlora", "arrow_config", "velora_config", "kasa_config", "monteclora_config")
+_RE2 = re2.Options()
+_RE2.log_errors = False
+_RE2.max_mem = 1 << 20  # bytes per compiled pattern (a module-name pattern needs a few KiB)
+_SHOWN = reprlib.Repr()  # a bounded repr of a refused value
+_SHOWN.maxstring = _SHOWN.maxother = 120
 
 
 @dataclass(frozen=True)
@@ -54,22 +68,18 @@ class AdapterConfig:
             if raw.get(feature):
                 raise UnsupportedAdapter(f"{folder}: {feature}={raw[feature]!r} is not supported")
         r = _positive_int(raw.get("r", 8), "r", folder)
-        alpha = raw.get("lora_alpha", 8)
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-            raise InvalidAdapter(f"{folder}: lora_alpha must be a finite number, got {alpha!r}")
-        layers = raw.get("layers_to_transform")
-        if isinstance(layers, int):
-            layers = [layers]
+        alpha = _finite(raw.get("lora_alpha", 8), "lora_alpha", folder)
         tokens = raw.get("trainable_token_indices")
         return cls(
             r=r,
-            lora_alpha=float(alpha),
+            lora_alpha=alpha,
             use_rslora=bool(raw.get("use_rslora", False)),
             target_modules=_names_or_regex(raw.get("target_modules"), "target_modules", folder),
             rank_pattern=tuple((k, _positive_int(v, f"rank_pattern[{k!r}]", folder))
-                               for k, v in (raw.get("rank_pattern") or {}).items()),
-            alpha_pattern=tuple((k, float(v)) for k, v in (raw.get("alpha_pattern") or {}).items()),
-            layers_to_transform=tuple(int(i) for i in layers) if layers else None,
+                               for k, v in _patterns(raw.get("rank_pattern"), "rank_pattern", folder)),
+            alpha_pattern=tuple((k, _finite(v, f"alpha_pattern[{k!r}]", folder))
+                                for k, v in _patterns(raw.get("alpha_pattern"), "alpha_pattern", folder)),
+            layers_to_transform=_layers(raw.get("layers_to_transform"), folder),
             exclude_modules=_names_or_regex(raw.get("exclude_modules"), "exclude_modules", folder),
             base_model_name_or_path=raw.get("base_model_name_or_path"),
             use_dora=bool(raw.get("use_dora", False)),
@@ -143,24 +153,78 @@ def _positive_int(value: Any, field: str, folder: str) -> int:
     return value
 
 
+def _finite(value: Any, field: str, folder: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidAdapter(f"{folder}: {field} must be a finite number, got {_SHOWN.repr(value)}")
+    return float(value)
+
+
+def _layers(value: Any, folder: str) -> tuple[int, ...] | None:
+    """``layers_to_transform``: a layer index or a list of them (PEFT's int-or-list); None/empty: every layer."""
+    layers = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if layers is None or layers == []:
+        return None
+    if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                               for i in layers):
+        raise InvalidAdapter(f"{folder}: layers_to_transform must be a layer index or a list of layer indices "
+                             f"(integers >= 0), got {_SHOWN.repr(value)}")
+    return tuple(layers)
+
+
+def _patterns(value: Any, field: str, folder: str) -> list[tuple[str, Any]]:
+    """``rank_pattern`` / ``alpha_pattern``: an object whose keys are module-name regexes (checked here)."""
+    if value is None:
+        return []
+    if not isinstance(value, dict):
+        raise InvalidAdapter(f"{folder}: {field} must be an object of module pattern -> value, got "
+                             f"{_SHOWN.repr(value)}")
+    for key in value:
+        _compiled(_key_pattern(key), f"{field} key {key!r}", folder)
+    return list(value.items())
+
+
 def _names_or_regex(value: Any, field: str, folder: str) -> tuple[str, ...] | str | None:
-    if value is None or isinstance(value, str):
+    if value is None:
+        return value
+    if isinstance(value, str):
+        if value != "all-linear":
+            _compiled(value, f"{field} regex", folder)
         return value
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         return tuple(value)
-    raise InvalidAdapter(f"{folder}: {field} must be a list of names or a regex string, got {value!r}")
+    raise InvalidAdapter(f"{folder}: {field} must be a list of names or a regex string, got {_SHOWN.repr(value)}")
+
+
+@functools.lru_cache(maxsize=128)
+def _compile(pattern: str) -> Any:
+    return re2.compile(pattern, _RE2)
+
+
+def _compiled(pattern: str, what: str, folder: str = "adapter") -> Any:
+    """``pattern`` compiled by RE2; ``InvalidAdapter`` naming ``what`` if RE2 refuses it."""
+    try:
+        return _compile(pattern)
+    except re2.error as e:
+        reason = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else str(e)
+        raise InvalidAdapter(f"{folder}: {what} is not a valid RE2 regex ({reason}); loraplex matches config "
+                             "regexes with RE2 (linear time), which has no lookaround or backreferences") from e
+
+
+def _key_pattern(key: str) -> str:
+    """PEFT's ``get_pattern_key`` regex for a ``rank_pattern`` / ``alpha_pattern`` key."""
+    return rf"(.*\.)?({key})$"
 
 
 def _matches(names_or_regex: tuple[str, ...] | str, module: str) -> bool:
     """PEFT's target rule: a string is a regex matched in full; a name matches itself or a suffix."""
     if isinstance(names_or_regex, str):
-        return re.fullmatch(names_or_regex, module) is not None
+        return _compiled(names_or_regex, "regex").fullmatch(module) is not None
     return any(module == name or module.endswith(f".{name}") for name in names_or_regex)
 
 
 def _pattern_value(patterns: tuple[tuple[str, Any], ...], module: str, default: Any) -> Any:
     """PEFT's ``get_pattern_key``: the first key ``k`` with ``re.match(rf"(.*\\.)?({k})$", module)``."""
     for key, value in patterns:
-        if re.match(rf"(.*\.)?({key})$", module):
+        if _compiled(_key_pattern(key), "pattern").match(module):
             return value
     return default

@@ -23,6 +23,7 @@ class AdapterInfo:
     uses_dora: bool = False
     tokenizer: Any = field(default=None, compare=False, repr=False)  # its own, or None: the base model's
     loaded_at: float = 0.0  # when this version was loaded (Unix time)
+    roots: tuple[str, ...] | None = None  # the allowed roots it was loaded under (its re-reads keep them)
 
 
 @dataclass

@@ -19,7 +19,11 @@ LRU), device slots (``max_loras``, written through ``writer``).
 - ``load`` folds the version against the base weights once (``writer.prepare``: DoRA scales), reads its
   own tokenizer if it ships one, and reserves its saved vocabulary rows in ``SavedRowsBudget`` (kept
   in host memory while held); ``AdapterMemoryBudgetExceeded`` past the budget.
-- One re-entrant lock guards all state; adapter files are never read while it is held.
+- One re-entrant lock guards all state; adapter files are never read while it is held: a load's name
+  check, reading, validation, folding and tokenizer run in the caller's thread before it takes the lock
+  (to register the version), so a hostile file delays only its own load, never ``lora_batch`` or
+  ``try_acquire``. Names match ``names.ADAPTER_NAME_PATTERN``; a load with ``roots`` reads only files inside
+  them (and its re-reads keep them).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,6 +41,8 @@ from loraplex.adapters.budget import SavedRowsBudget
 from loraplex.adapters.host_cache import HostCache
 from loraplex.adapters.info import AdapterCounters, AdapterInfo
 from loraplex.adapters.integrity import check_tiers
+from loraplex.adapters.names import check_adapter_name
+from loraplex.adapters.overflow_bound import check_dora_scales
 from loraplex.adapters.peft_format import read_peft_adapter
 from loraplex.adapters.read_ahead import ReadAhead, read_ahead_depth
 from loraplex.adapters.rereads import Rereads
@@ -74,17 +80,22 @@ class AdapterManager:
         self._indices = BatchIndices()
         self._checked_version = 0
 
-    def load(self, name: str, path: str | Path, new_version: bool = False) -> AdapterInfo:
+    def load(self, name: str, path: str | Path, new_version: bool = False,
+             roots: Sequence[str | Path] | None = None) -> AdapterInfo:
         """Read and validate ``path`` in the caller's thread, then register it as a new version (of an
-        existing name, which moves to it, only with ``new_version``)."""
+        existing name, which moves to it, only with ``new_version``). With ``roots`` (the server's
+        ``--adapter-root`` folders), every file read must resolve inside one of them."""
+        check_adapter_name(name)
         self._check_name_free(name, path, new_version)
-        weights = self._read(path)
+        kept_roots = None if roots is None else tuple(str(r) for r in roots)
+        weights = self._read(path, kept_roots)
         vocab_size = weights.vocab_size or self.model_config.vocab_size
-        tokenizer = read_adapter_tokenizer(path, self.base_tokenizer, vocab_size)
+        tokenizer = read_adapter_tokenizer(path, self.base_tokenizer, vocab_size, kept_roots)
         with self._lock:
             self._check_name_free(name, path, new_version)
             info = AdapterInfo(name, weights.path, self._next_id, weights.content_hash, weights.max_rank,
-                               weights.vocab_size, weights.saved_bytes, weights.uses_dora, tokenizer, time.time())
+                               weights.vocab_size, weights.saved_bytes, weights.uses_dora, tokenizer, time.time(),
+                               kept_roots)
             self.budget.reserve(info.version_id, info.saved_bytes, f"{path}: adapter {name!r}")
             self._next_id += 1
             self._infos[info.version_id] = info
@@ -276,9 +287,13 @@ class AdapterManager:
                 raise AdapterAlreadyLoaded(f"{path}: an adapter named {name!r} is already loaded (from "
                                            f"{current.path}); unload it first, or load it as a new version")
 
-    def _read(self, path: str | Path) -> AdapterWeights:
-        """Read, validate and fold one version (in the caller's thread)."""
-        return self.writer.prepare(read_peft_adapter(path, self.model_config, self.max_lora_rank, self.allow_pickle))
+    def _read(self, path: str | Path, roots: tuple[str, ...] | None = None) -> AdapterWeights:
+        """Read, validate and fold one version (in the caller's thread, or the re-reader's), checking the
+        folded DoRA scales against ``overflow_bound``."""
+        weights = self.writer.prepare(read_peft_adapter(path, self.model_config, self.max_lora_rank,
+                                                        self.allow_pickle, roots))
+        check_dora_scales(weights)
+        return weights
 
     def _put_host(self, version_id: int, weights: AdapterWeights) -> None:
         keep = self.budget.holds(version_id)  # saved rows stay resident while loaded

@@ -1,5 +1,6 @@
-"""``Rereads``: one background thread re-reading adapter versions evicted from host memory, each checked
-against the content hash it was loaded with (the version's identity); ``ReadAhead`` says which may be read."""
+"""``Rereads``: one background thread re-reading adapter versions evicted from host memory, each under the
+allowed roots it was loaded with and checked against the content hash it was loaded with (the version's
+identity); ``ReadAhead`` says which may be read."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ class Rereads:
     is called from the reader thread with the weights, or with the ``AdapterContentChanged`` that the
     version's requests must fail with (changed on disk, or unreadable)."""
 
-    def __init__(self, read: Callable[[str | Path], AdapterWeights], done: Done, ahead: ReadAhead) -> None:
+    def __init__(self, read: Callable[[str | Path, tuple[str, ...] | None], AdapterWeights], done: Done,
+                 ahead: ReadAhead) -> None:
         self._read, self._done, self.ahead = read, done, ahead
         self._lock = threading.Lock()
         self._pending: dict[int, Future[None]] = {}
@@ -49,7 +51,7 @@ class Rereads:
         error: AdapterError | None = None
         who = f"{info.path}: adapter {info.name!r} (id {info.version_id})"
         try:
-            weights = self._read(info.path)
+            weights = self._read(info.path, info.roots)
             if weights.content_hash != info.content_hash:
                 error = AdapterContentChanged(f"{who} changed on disk since it was loaded; load it again")
         except Exception as e:  # any failure must reach the waiting requests, not die in this thread

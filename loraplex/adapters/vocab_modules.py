@@ -10,8 +10,9 @@ Tensors (names inside the base model, e.g. ``model.embed_tokens`` / ``lm_head``)
 - ``<module>.token_adapter.trainable_tokens_delta``: ``trainable_token_indices`` rows (new values, not
   deltas). On a tied base PEFT ties lm_head to the embedding's rows (list form, or the dict form with
   equal indices or ``ensure_weight_tying``).
-Every vocabulary dimension must equal the adapter's vocabulary V_a (>= the base's V); ids in [V, V_a)
-need rows in both modules.
+Every vocabulary dimension must equal the adapter's vocabulary V_a (>= the base's V, and at most
+``MAX_ADDED_TOKENS`` more); ids in [V, V_a) need rows in both modules. ``check_vocab_layout`` checks every
+tensor's declared shape (``_expected_shape``) before any value is read.
 """
 
 from __future__ import annotations
@@ -22,15 +23,36 @@ from pathlib import Path
 import torch
 
 from loraplex.adapters.adapter_config import AdapterConfig
+from loraplex.adapters.safetensors_file import TensorSpec
 from loraplex.adapters.weights import VOCAB_MODULES, VocabModule
 from loraplex.config import ModelConfig
 from loraplex.errors import AdapterRankTooLarge, AdapterShapeMismatch, InvalidAdapter
 
 EMBED, HEAD = VOCAB_MODULES
-Parts = Mapping[str, Mapping[str, tuple[str, torch.Tensor]]]  # module -> kind -> (tensor name, tensor)
+MAX_ADDED_TOKENS = 65536  # tokens an adapter's vocabulary may add to the base's (bounds what a file may declare)
+Shaped = torch.Tensor | TensorSpec  # a tensor, or its declaration in a file header (shape and dtype only)
+Parts = Mapping[str, Mapping[str, tuple[str, Shaped]]]  # module -> kind -> (tensor name, tensor)
 
 
-def read_vocab_modules(folder: Path, config: AdapterConfig, parts: Parts, model_config: ModelConfig,
+def check_vocab_layout(folder: str | Path, config: AdapterConfig, parts: Parts, model_config: ModelConfig,
+                       max_lora_rank: int) -> None:
+    """Every vocabulary-module tensor's shape and dtype (declared or read) against what the config and the
+    base can need: ``_expected_shape`` with V_a bounded by ``MAX_ADDED_TOKENS``, LoRA ranks by
+    ``max_lora_rank``, trainable rows by the listed token ids. No value is read."""
+    v, hidden, tied = model_config.vocab_size, model_config.hidden_size, model_config.tie_word_embeddings
+    head_tied = _head_tied(config, parts, tied)
+    paths = {module: _lora_path(folder, config, parts, module, head_tied) for module in parts}
+    vocab = _vocab_size(folder, config, parts, v)
+    _check_listed(folder, config, parts, head_tied, tied)
+    listed = _listed_tokens(config, tied)
+    for module, kinds in parts.items():
+        r = _rank(folder, config, paths[module], max_lora_rank) if paths[module] is not None else 0
+        for kind, (name, tensor) in kinds.items():
+            check_layout(folder, name, tensor, _expected_shape(module, kind, r, vocab, hidden,
+                                                               len(listed.get(module, ()))))
+
+
+def read_vocab_modules(folder: str | Path, config: AdapterConfig, parts: Parts, model_config: ModelConfig,
                        max_lora_rank: int) -> dict[str, VocabModule]:
     """``parts[module][kind]``, kinds ``lora_A``, ``lora_B``, ``magnitude``, ``base_layer``, ``saved``,
     ``trainable``; validated and resolved into what each module serves."""
@@ -69,10 +91,11 @@ _VOCAB_AXIS = {(EMBED, "base_layer"): 0, (EMBED, "saved"): 0, (EMBED, "lora_A"):
                (HEAD, "saved"): 0, (HEAD, "lora_B"): 0, (HEAD, "magnitude"): 0}
 
 
-def _vocab_size(folder: Path, config: AdapterConfig, parts: Parts, v: int) -> int:
-    """V_a: every tensor's vocabulary dimension must agree; trainable ids only need to fit in it."""
+def _vocab_size(folder: str | Path, config: AdapterConfig, parts: Parts, v: int) -> int:
+    """V_a: every tensor's vocabulary dimension must agree; trainable ids only need to fit in it; at most
+    ``MAX_ADDED_TOKENS`` over the base's V."""
     dims = {name: tensor.shape[axis] for module, kinds in parts.items() for kind, (name, tensor) in kinds.items()
-            if (axis := _VOCAB_AXIS.get((module, kind))) is not None and tensor.dim() > axis}
+            if (axis := _VOCAB_AXIS.get((module, kind))) is not None and len(tensor.shape) > axis}
     sizes = set(dims.values())
     if len(sizes) > 1:
         raise AdapterShapeMismatch(f"{folder}: vocabulary dimensions disagree: " + ", ".join(
@@ -85,15 +108,20 @@ def _vocab_size(folder: Path, config: AdapterConfig, parts: Parts, v: int) -> in
     if dims and top >= vocab:
         raise InvalidAdapter(f"{folder}: trainable_token_indices has id {top}, outside the adapter's "
                              f"vocabulary of {vocab}")
-    return max(vocab, top + 1)
+    size = max(vocab, top + 1)
+    if size > v + MAX_ADDED_TOKENS:
+        why = ", ".join(f"{name} {n}" for name, n in sorted(dims.items())) or f"trainable token id {top}"
+        raise InvalidAdapter(f"{folder}: the adapter's vocabulary of {size} tokens ({why}) adds more than "
+                             f"{MAX_ADDED_TOKENS} tokens to the base model's {v}")
+    return size
 
 
-def _tie_head(folder: Path, config: AdapterConfig, parts: Parts, tied: bool) -> tuple[Parts, bool]:
+def _tie_head(folder: str | Path, config: AdapterConfig, parts: Parts, tied: bool) -> tuple[Parts, bool]:
     """``ensure_weight_tying`` on a tied base: PEFT keeps lm_head's LoRA and saved copy in the embedding's
     storage (lm_head A = embed B^T, lm_head B = embed A^T), so both must agree; lm_head's are derived
     from the embedding's when the file lacks them. Returns the parts and whether lm_head is tied so."""
     embed = parts.get(EMBED, {})
-    if not (tied and config.ensure_weight_tying) or not ({"lora_A", "saved"} & set(embed)):
+    if not _head_tied(config, parts, tied):
         return parts, False
     head = dict(parts.get(HEAD, {}))
     derived = {"saved": embed.get("saved")}
@@ -110,7 +138,20 @@ def _tie_head(folder: Path, config: AdapterConfig, parts: Parts, tied: bool) -> 
     return {**parts, HEAD: head}, True
 
 
-def _check_listed(folder: Path, config: AdapterConfig, parts: Parts, head_tied: bool, tied: bool) -> None:
+def _head_tied(config: AdapterConfig, parts: Parts, tied: bool) -> bool:
+    """Whether lm_head is tied to the embedding's LoRA / saved matrix (``_tie_head``)."""
+    return tied and config.ensure_weight_tying and bool({"lora_A", "saved"} & set(parts.get(EMBED, {})))
+
+
+def _listed_tokens(config: AdapterConfig, tied: bool) -> dict[str, tuple[int, ...]]:
+    """``trainable_token_indices`` per module, with a tied lm_head's rows being the embedding's."""
+    listed = dict(config.trainable_tokens)
+    if _tokens_tie_head(config, tied):
+        listed.setdefault(HEAD, listed[EMBED])  # PEFT saves the tied lm_head's rows too (checked equal later)
+    return listed
+
+
+def _check_listed(folder: str | Path, config: AdapterConfig, parts: Parts, head_tied: bool, tied: bool) -> None:
     """``modules_to_save`` and ``trainable_token_indices`` must match the tensors present."""
     for module in VOCAB_MODULES:
         kinds = parts.get(module, {})
@@ -120,9 +161,7 @@ def _check_listed(folder: Path, config: AdapterConfig, parts: Parts, head_tied: 
         if module in config.modules_to_save and "saved" not in kinds:
             raise InvalidAdapter(f"{folder}: modules_to_save lists {module} but the adapter has no "
                                  f"{module}.weight tensor")
-    listed = dict(config.trainable_tokens)
-    if _tokens_tie_head(config, tied):
-        listed.setdefault(HEAD, listed[EMBED])  # PEFT saves the tied lm_head's rows too (checked equal later)
+    listed = _listed_tokens(config, tied)
     for module in VOCAB_MODULES:
         if module in listed and module in config.modules_to_save:
             raise InvalidAdapter(f"{folder}: {module} is both in modules_to_save and in trainable_token_indices")
@@ -131,7 +170,7 @@ def _check_listed(folder: Path, config: AdapterConfig, parts: Parts, head_tied: 
                                  f"for {module}, which trainable_token_indices does not list")
 
 
-def _lora_path(folder: Path, config: AdapterConfig, parts: Parts, module: str, head_tied: bool) -> str | None:
+def _lora_path(folder: str | Path, config: AdapterConfig, parts: Parts, module: str, head_tied: bool) -> str | None:
     """The module's name in the base model if the adapter puts LoRA on it (checked against
     ``target_modules``), else None."""
     kinds = parts.get(module, {})
@@ -148,22 +187,35 @@ def _lora_path(folder: Path, config: AdapterConfig, parts: Parts, module: str, h
     return path
 
 
-def _lora(folder: Path, config: AdapterConfig, parts: Parts, module: str, path: str | None,
+def _lora(folder: str | Path, config: AdapterConfig, parts: Parts, module: str, path: str | None,
           model_config: ModelConfig, vocab: int, max_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     if path is None:
         return None
     kinds = parts[module]
-    r = config.rank_for(path)
-    if r > max_lora_rank:
-        raise AdapterRankTooLarge(f"{folder}: module {path!r} has rank {r}, over max_lora_rank={max_lora_rank}")
-    hidden = model_config.hidden_size
-    shapes = {"lora_A": (r, vocab), "lora_B": (hidden, r)} if module == EMBED else {
-        "lora_A": (r, hidden), "lora_B": (vocab, r)}
-    a, b = (check_tensor(folder, *kinds[half], shapes[half]) for half in ("lora_A", "lora_B"))
+    r = _rank(folder, config, path, max_lora_rank)
+    a, b = (check_tensor(folder, *kinds[half], _expected_shape(module, half, r, vocab, model_config.hidden_size, 0))
+            for half in ("lora_A", "lora_B"))
     return a, (b * config.scale_for(path)).contiguous()
 
 
-def _magnitude(folder: Path, config: AdapterConfig, kinds: Mapping[str, tuple[str, torch.Tensor]], module: str,
+def _rank(folder: str | Path, config: AdapterConfig, path: str, max_lora_rank: int) -> int:
+    r = config.rank_for(path)
+    if r > max_lora_rank:
+        raise AdapterRankTooLarge(f"{folder}: module {path!r} has rank {r}, over max_lora_rank={max_lora_rank}")
+    return r
+
+
+def _expected_shape(module: str, kind: str, r: int, vocab: int, hidden: int, tokens: int) -> tuple[int, ...]:
+    """The shape of ``module``'s tensor of ``kind`` (rank r, adapter vocabulary V_a = ``vocab``, ``tokens``
+    trainable token rows): embed_tokens' LoRA is A [r, V_a], B [hidden, r]; lm_head's A [r, hidden],
+    B [V_a, r]; a DoRA magnitude runs over the output features; matrices are [V_a, hidden]."""
+    embed = module == EMBED
+    return {"lora_A": (r, vocab) if embed else (r, hidden), "lora_B": (hidden, r) if embed else (vocab, r),
+            "magnitude": (hidden,) if embed else (vocab,), "base_layer": (vocab, hidden), "saved": (vocab, hidden),
+            "trainable": (tokens, hidden)}[kind]
+
+
+def _magnitude(folder: str | Path, config: AdapterConfig, kinds: Mapping[str, tuple[str, torch.Tensor]], module: str,
                lora: tuple[torch.Tensor, torch.Tensor] | None, vocab: int, hidden: int) -> torch.Tensor | None:
     if "magnitude" not in kinds:
         if config.use_dora and lora is not None:
@@ -173,14 +225,14 @@ def _magnitude(folder: Path, config: AdapterConfig, kinds: Mapping[str, tuple[st
     if not config.use_dora or lora is None:
         raise InvalidAdapter(f"{folder}: tensor {name!r} is a DoRA magnitude, but "
                              + ("use_dora is false" if not config.use_dora else f"{module} has no LoRA"))
-    return check_tensor(folder, name, tensor, (hidden if module == EMBED else vocab,))
+    return check_tensor(folder, name, tensor, _expected_shape(module, "magnitude", 0, vocab, hidden, 0))
 
 
-def _matrix(folder: Path, named: tuple[str, torch.Tensor], vocab: int, hidden: int) -> torch.Tensor:
+def _matrix(folder: str | Path, named: tuple[str, torch.Tensor], vocab: int, hidden: int) -> torch.Tensor:
     return check_tensor(folder, *named, (vocab, hidden))
 
 
-def _shared_matrix(folder: Path, parts: Parts, tied: bool, vocab: int, hidden: int) -> dict[str, torch.Tensor]:
+def _shared_matrix(folder: str | Path, parts: Parts, tied: bool, vocab: int, hidden: int) -> dict[str, torch.Tensor]:
     """``base_layer.weight`` replaces the base parameter: on a tied base, both modules read it."""
     found = {m: _matrix(folder, parts[m]["base_layer"], vocab, hidden) for m in VOCAB_MODULES
              if "base_layer" in parts.get(m, {})}
@@ -193,7 +245,7 @@ def _shared_matrix(folder: Path, parts: Parts, tied: bool, vocab: int, hidden: i
     return dict.fromkeys(VOCAB_MODULES, first)
 
 
-def _trainable_rows(folder: Path, config: AdapterConfig, parts: Parts, tied: bool, vocab: int,
+def _trainable_rows(folder: str | Path, config: AdapterConfig, parts: Parts, tied: bool, vocab: int,
                     hidden: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """module -> (ids [n] ascending, rows [n, hidden]), following PEFT's tying rule for a tied base."""
     listed = dict(config.trainable_tokens)
@@ -230,15 +282,20 @@ def module_path(tensor_name: str, module: str) -> str:
     return tensor_name[: tensor_name.rindex(f"{module}.") + len(module)]
 
 
-def check_tensor(folder: Path, name: str, tensor: torch.Tensor, shape: tuple[int, ...], why: str = "",
+def check_layout(folder: str | Path, name: str, tensor: Shaped, shape: tuple[int, ...], why: str = "") -> None:
+    """``tensor``'s shape (``why`` explains the expected one) and dtype, from its declaration or the tensor."""
+    if tuple(tensor.shape) != shape:
+        raise AdapterShapeMismatch(f"{folder}: {name} has shape {list(tensor.shape)}, expected {list(shape)}{why}")
+    if not tensor.dtype.is_floating_point:
+        raise InvalidAdapter(f"{folder}: {name} has non-float dtype {tensor.dtype}")
+
+
+def check_tensor(folder: str | Path, name: str, tensor: torch.Tensor, shape: tuple[int, ...], why: str = "",
                  finite: bool = False) -> torch.Tensor:
     """``tensor`` as contiguous float32 (the same tensor when it already is) after checking its shape
     (``why`` explains the expected one), dtype and values (``finite``: already known finite, e.g. from one
     check over the whole file)."""
-    if tuple(tensor.shape) != shape:
-        raise AdapterShapeMismatch(f"{folder}: {name} has shape {list(tensor.shape)}, expected {list(shape)}{why}")
-    if not tensor.is_floating_point():
-        raise InvalidAdapter(f"{folder}: {name} has non-float dtype {tensor.dtype}")
+    check_layout(folder, name, tensor, shape, why)
     if not finite and not bool(torch.isfinite(tensor).all()):
         raise InvalidAdapter(f"{folder}: {name} contains NaN or inf values")
     return tensor.to(torch.float32).contiguous()

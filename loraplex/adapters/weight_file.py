@@ -1,28 +1,39 @@
-"""An adapter's weight file read into CPU tensors, with as few passes over its bytes as possible.
+"""An adapter's weight file: opened safely, its header checked, then read in one pass into owned tensors.
 
-A cold adapter load sits on the critical path of the requests waiting for it, so the common case is
-made cheap: a safetensors file whose tensors are all float32 (what PEFT saves from a float32 model)
-is read with one ``readinto`` into one owned buffer, and every tensor is a zero-copy view of it; the
-caller can then check every value at once (``flat``) and fold scales in place. Anything else (other
-or mixed dtypes, a header this fast path does not recognise, a damaged file) goes through the
-``safetensors`` library itself, which also produces the precise error for a bad file.
+A cold adapter load sits on the critical path of the requests waiting for it, and its file may be
+hostile, so reading is in two steps. ``open_weight_file`` opens ``adapter_model.safetensors``
+(``safe_files``: a regular file inside the allowed roots) and checks its header against the file size
+(``safetensors_file.parse_header``) without reading any tensor: the caller then checks every declared
+shape against what the adapter config can need (``peft_format``) before ``read`` touches a byte of
+data. ``read`` fills one owned buffer with the data section (one ``preadv`` pass; a bounded file, so
+not a memory map, which a later truncation of the file would turn into a SIGBUS in the host tier) and
+every tensor is a zero-copy view of it; when all are float32 the caller can check every value at once
+(``flat``) and fold scales in place. ``adapter_model.bin`` (a pickle) is read only when explicitly
+allowed, with ``weights_only``; its layout is known only once loaded (``specs`` is None).
 """
 
 from __future__ import annotations
 
-import json
-import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 
 import torch
 
+from loraplex.adapters.safe_files import AdapterFile, Roots, open_file, present
+from loraplex.adapters.safetensors_file import (
+    HEADER_LENGTH_BYTES,
+    Header,
+    TensorSpec,
+    header_length,
+    parse_header,
+    tensor_views,
+)
 from loraplex.errors import InvalidAdapter, UnsupportedAdapter
 
 SAFETENSORS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
-_HEADER_BYTES = 8  # safetensors: little-endian u64 header length, then the JSON header, then the data
-_F32_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -35,78 +46,72 @@ class WeightFile:
     flat: torch.Tensor | None
 
 
-def read_weight_file(folder: Path, allow_pickle: bool) -> WeightFile:
-    """``adapter_model.safetensors`` (or, only if ``allow_pickle``, ``adapter_model.bin``) of ``folder``."""
-    safetensors_path, pickle_path = folder / SAFETENSORS_FILE, folder / PICKLE_FILE
-    if safetensors_path.is_file():
-        return _read_safetensors(folder, safetensors_path)
-    if pickle_path.is_file():
+class OpenedWeightFile:
+    """A weight file opened and its header checked; no tensor data read before ``read``."""
+
+    def __init__(self, file: AdapterFile, header: Header | None) -> None:
+        self._file, self._header = file, header
+
+    @property
+    def specs(self) -> dict[str, TensorSpec] | None:
+        """Each tensor's declared dtype and shape (None for a pickle)."""
+        return None if self._header is None else self._header.specs
+
+    def read(self) -> WeightFile:
+        if self._header is None:
+            return _load_pickle(self._file)
+        header = self._header
+        buffer = bytearray(header.data_len)
+        self._file.readinto(buffer, header.data_start)
+        tensors = tensor_views(buffer, 0, header.specs)
+        all_f32 = all(spec.dtype is torch.float32 for spec in header.specs.values())
+        flat = (torch.frombuffer(buffer, dtype=torch.float32) if header.data_len else torch.empty(0)) if all_f32 \
+            else None
+        return WeightFile(tensors, flat)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> OpenedWeightFile:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self.close()
+
+
+def open_weight_file(folder: Path, allow_pickle: bool, roots: Roots = None) -> OpenedWeightFile:
+    """``adapter_model.safetensors`` of ``folder`` (or, only if ``allow_pickle``, ``adapter_model.bin``), opened."""
+    if present(folder, SAFETENSORS_FILE):
+        file = open_file(folder, SAFETENSORS_FILE, roots)
+        try:
+            length = header_length(file.read(0, min(HEADER_LENGTH_BYTES, file.size)), file.size, file.what)
+            header = parse_header(file.read(HEADER_LENGTH_BYTES, length), file.size, file.what)
+        except BaseException:
+            file.close()
+            raise
+        return OpenedWeightFile(file, header)
+    if present(folder, PICKLE_FILE):
         if not allow_pickle:
             raise UnsupportedAdapter(
                 f"{folder}: only {PICKLE_FILE} (a pickle) is present; pickles are refused unless "
                 "explicitly allowed (allow_pickle_adapters); convert it to safetensors")
-        try:
-            state = torch.load(pickle_path, map_location="cpu", weights_only=True)
-        except Exception as e:  # torch raises many unrelated types for a bad pickle
-            raise InvalidAdapter(f"{folder}: cannot read {PICKLE_FILE} ({e})") from e
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise InvalidAdapter(f"{folder}: {PICKLE_FILE} does not hold a name -> tensor dict")
-        return WeightFile(dict(state), None)
+        return OpenedWeightFile(open_file(folder, PICKLE_FILE, roots), None)
     raise InvalidAdapter(f"{folder}: no {SAFETENSORS_FILE} in the adapter folder")
 
 
-def _read_safetensors(folder: Path, path: Path) -> WeightFile:
-    try:
-        with path.open("rb") as f:
-            buffer = bytearray(path.stat().st_size)
-            read = f.readinto(buffer)
-    except OSError as e:
-        raise InvalidAdapter(f"{folder}: cannot read {SAFETENSORS_FILE} ({e})") from e
-    fast = _float32_views(buffer) if read == len(buffer) else None
-    if fast is not None:
-        return fast
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
-    try:
-        return WeightFile(load(bytes(buffer[:read])), None)
-    except (SafetensorError, OSError, ValueError) as e:
-        raise InvalidAdapter(f"{folder}: cannot read {SAFETENSORS_FILE} ({e})") from e
+def read_weight_file(folder: Path, allow_pickle: bool, roots: Roots = None) -> WeightFile:
+    """The whole weight file at once (no layout check between the header and the data)."""
+    with open_weight_file(folder, allow_pickle, roots) as opened:
+        return opened.read()
 
 
-def _float32_views(buffer: bytearray) -> WeightFile | None:
-    """Zero-copy float32 views of a well-formed all-F32 safetensors ``buffer``; None otherwise (the
-    library then reads the file). Well-formed: the tensors tile the data section exactly, in order."""
-    if len(buffer) < _HEADER_BYTES:
-        return None
-    header_len = int.from_bytes(buffer[:_HEADER_BYTES], "little")
-    data_start = _HEADER_BYTES + header_len
-    if data_start > len(buffer) or data_start % _F32_BYTES:
-        return None
+def _load_pickle(file: AdapterFile) -> WeightFile:
     try:
-        header = json.loads(buffer[_HEADER_BYTES:data_start])
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    if not isinstance(header, dict):
-        return None
-    header.pop("__metadata__", None)
-    spans = []
-    for name, entry in header.items():
-        if not isinstance(entry, dict) or entry.get("dtype") != "F32":
-            return None
-        shape, offsets = entry.get("shape"), entry.get("data_offsets")
-        if (not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape)
-                or not isinstance(offsets, list) or len(offsets) != 2):
-            return None
-        spans.append((offsets[0], offsets[1], name, shape))
-    spans.sort(key=lambda span: span[:2])
-    end = 0
-    for lo, hi, _, shape in spans:
-        if lo != end or hi - lo != math.prod(shape) * _F32_BYTES:
-            return None
-        end = hi
-    if data_start + end != len(buffer):
-        return None
-    flat = torch.frombuffer(buffer, dtype=torch.float32, offset=data_start) if end else torch.empty(0)
-    tensors = {name: flat[lo // _F32_BYTES : hi // _F32_BYTES].view(shape) for lo, hi, name, shape in spans}
-    return WeightFile(tensors, flat)
+        with os.fdopen(os.dup(file.fd), "rb") as f:
+            state = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many unrelated types for a bad pickle
+        raise InvalidAdapter(f"{file.what}: cannot read ({e})") from e
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise InvalidAdapter(f"{file.what}: does not hold a name -> tensor dict")
+    return WeightFile(dict(state), None)

@@ -241,10 +241,12 @@ class EngineClient(abc.ABC):
     async def _call(self, method: str, *args: Any) -> Any:
         """``engine.<method>(*args)`` off the event loop (a worker thread, or the engine process)."""
 
-    async def load_adapter(self, name: str, path: str, new_version: bool = False) -> AdapterInfo:
+    async def load_adapter(self, name: str, path: str, new_version: bool = False,
+                           roots: list[str] | None = None) -> AdapterInfo:
         """Validate and register a PEFT folder; raises ``AdapterError`` subclasses. ``new_version``: a loaded
-        ``name`` moves to the new version at once (its requests in flight finish on theirs)."""
-        return await self._call("load_adapter", name, path, new_version)
+        ``name`` moves to the new version at once (its requests in flight finish on theirs). ``roots``: every
+        file the load reads must resolve inside one of these folders."""
+        return await self._call("load_adapter", name, path, new_version, roots)
 
     async def unload_adapter(self, name: str) -> None:
         await self._call("unload_adapter", name)

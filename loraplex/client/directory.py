@@ -42,6 +42,7 @@ class Version:
     vocab_size: int
     tokenizer: Any = None  # its tokenizer in this process (None: the model has none)
     tokenizer_folder: str | None = None  # where a worker process reads it from (None: the base model's)
+    tokenizer_roots: tuple[str, ...] | None = None  # the roots that folder's files must resolve in
 
     @property
     def label(self) -> str:
@@ -50,7 +51,8 @@ class Version:
 
     def portable(self) -> Version:
         """This version without its tokenizer object, to hand to another process."""
-        return Version(self.version_id, self.name, self.content_hash, self.vocab_size, None, self.tokenizer_folder)
+        return Version(self.version_id, self.name, self.content_hash, self.vocab_size, None, self.tokenizer_folder,
+                       self.tokenizer_roots)
 
 
 TokenizerReader = Callable[[HeldVersion], Any]  # a held version that ships a tokenizer -> that tokenizer
@@ -153,4 +155,4 @@ class AdapterDirectory:
         tokenizer = self._read_tokenizer(held) if held.has_tokenizer else None
         return Version(held.version_id, held.name, held.content_hash, held.vocab_size or self.base.vocab_size,
                        tokenizer if tokenizer is not None else self.base.tokenizer,
-                       held.path if tokenizer is not None else None)
+                       held.path if tokenizer is not None else None, held.roots)

@@ -29,7 +29,7 @@ def folder_reader(base: Any, base_vocab_size: int) -> TokenizerReader:
     """Read a held version's tokenizer from its folder (None when it equals the base's)."""
 
     def read(held: HeldVersion) -> Any:
-        return read_adapter_tokenizer(held.path, base, held.vocab_size or base_vocab_size)
+        return read_adapter_tokenizer(held.path, base, held.vocab_size or base_vocab_size, held.roots)
 
     return read
 
@@ -53,7 +53,8 @@ class VersionTokenizers:
             if cached is not None:
                 self._by_version.move_to_end(version.version_id)
                 return cached
-        tokenizer = read_adapter_tokenizer(version.tokenizer_folder, self.base, version.vocab_size) or self.base
+        tokenizer = read_adapter_tokenizer(version.tokenizer_folder, self.base, version.vocab_size,
+                                           version.tokenizer_roots) or self.base
         with self._lock:
             self._by_version[version.version_id] = tokenizer
             while len(self._by_version) > self.MAX_CACHED:

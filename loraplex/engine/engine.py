@@ -116,9 +116,11 @@ class Engine:
         logger.info("%s", self.adapters.budget.describe(row_bytes * self.model_config.vocab_size, row_bytes))
 
     # ---- adapters (any thread) ----
-    def load_adapter(self, name: str, path: str | Path, new_version: bool = False) -> AdapterInfo:
-        """A new version of ``name`` from ``path``; ``new_version`` promotes a loaded name (in-flight keep theirs)."""
-        info = self.adapters.load(name, str(path), new_version)
+    def load_adapter(self, name: str, path: str | Path, new_version: bool = False,
+                     roots: Sequence[str] | None = None) -> AdapterInfo:
+        """A new version of ``name`` from ``path``; ``new_version`` promotes a loaded name (in-flight keep theirs).
+        ``roots``: every file the load reads must resolve inside one of these folders (``ForbiddenAdapterPath``)."""
+        info = self.adapters.load(name, str(path), new_version, roots)
         self._retire_dropped()
         return info
 
