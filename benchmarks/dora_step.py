@@ -24,7 +24,7 @@ from types import MappingProxyType
 import torch
 
 from benchmarks.common import add_step_options, machine_line, step_clock, step_header, write_json, write_random_adapter
-from loraplex.adapters.peft_format import read_peft_adapter
+from loraplex.adapters.reading.peft_format import read_peft_adapter
 from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.engine.scheduler.block_manager import BlockManager

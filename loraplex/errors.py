@@ -45,7 +45,7 @@ class AdapterShapeMismatch(InvalidAdapter):
 
 class AdapterOverflow(InvalidAdapter):
     """Finite adapter weights large enough that a float32 step could overflow; the message names the module,
-    the bound (``adapters/overflow_bound.py``) and the measured value."""
+    the bound (``adapters/reading/overflow_bound.py``) and the measured value."""
 
 
 class InvalidAdapterName(AdapterError):

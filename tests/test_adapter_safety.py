@@ -20,12 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraplex.adapters import safe_files
 from loraplex.adapters.manager import AdapterManager
 from loraplex.adapters.names import check_adapter_name
-from loraplex.adapters.overflow_bound import INPUT_NORM, WEIGHT_BOUND
-from loraplex.adapters.peft_format import read_peft_adapter
-from loraplex.adapters.weights import AdapterWeights
+from loraplex.adapters.reading import safe_files
+from loraplex.adapters.reading.overflow_bound import INPUT_NORM, WEIGHT_BOUND
+from loraplex.adapters.reading.peft_format import read_peft_adapter
+from loraplex.adapters.reading.weights import AdapterWeights
 from loraplex.config import ModelConfig
 from loraplex.errors import (
     AdapterError,
@@ -528,7 +528,7 @@ def test_a_hostile_load_never_stalls_the_step_loops_calls(manager: AdapterManage
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A load parked inside its validation (a gate in the overflow check of a 3e38 adapter) while another
     thread calls ``lora_batch`` and ``try_acquire``: both answer, then the load fails alone."""
-    from loraplex.adapters import peft_format
+    from loraplex.adapters.reading import peft_format
 
     good = manager.resolve("good")
     folder = _copy(tiny_llama_adapters["r4_attn"], tmp_path / "huge", tensors=OVERFLOW["lora_A_one_3e38"][0])

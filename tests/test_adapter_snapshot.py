@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from loraplex.adapters.manager import AdapterManager
-from loraplex.adapters.peft_format import AdapterWeights
+from loraplex.adapters.reading.peft_format import AdapterWeights
 from loraplex.config import ModelConfig
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from loraplex import LLM, SamplingParams
-from loraplex.adapters.peft_format import read_peft_adapter
+from loraplex.adapters.reading.peft_format import read_peft_adapter
 from loraplex.errors import AdapterShapeMismatch, InvalidAdapter
 from loraplex.models.registry import model_config
 from tests.conftest import family_targets

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from loraplex.adapters import manager as manager_module
 from loraplex.adapters.manager import AdapterManager
-from loraplex.adapters.peft_format import AdapterWeights, read_peft_adapter
+from loraplex.adapters.reading.peft_format import AdapterWeights, read_peft_adapter
 from loraplex.config import ModelConfig
 from loraplex.errors import AdapterAlreadyLoaded, AdapterContentChanged, UnknownAdapter
 from loraplex.layers.lora_linear import LoRALinear

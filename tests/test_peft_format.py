@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from loraplex.adapters.manager import AdapterManager
-from loraplex.adapters.peft_format import AdapterWeights, read_peft_adapter
+from loraplex.adapters.reading.peft_format import AdapterWeights, read_peft_adapter
 from loraplex.config import ModelConfig
 from loraplex.errors import (
     AdapterNotFound,

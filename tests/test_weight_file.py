@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load, load_file, save, save_file
 
-from loraplex.adapters.peft_format import read_peft_adapter, read_peft_adapter_from_tensors
-from loraplex.adapters.safetensors_file import MAX_HEADER_BYTES, parse_safetensors_bytes
-from loraplex.adapters.weight_file import SAFETENSORS_FILE, read_weight_file
+from loraplex.adapters.reading.peft_format import read_peft_adapter, read_peft_adapter_from_tensors
+from loraplex.adapters.reading.safetensors_file import MAX_HEADER_BYTES, parse_safetensors_bytes
+from loraplex.adapters.reading.weight_file import SAFETENSORS_FILE, read_weight_file
 from loraplex.config import ModelConfig
 from loraplex.errors import AdapterOverflow, InvalidAdapter
 

@@ -42,15 +42,15 @@ from loraplex.adapters.host_cache import HostCache
 from loraplex.adapters.info import AdapterCounters, AdapterInfo
 from loraplex.adapters.integrity import check_tiers
 from loraplex.adapters.names import check_adapter_name
-from loraplex.adapters.overflow_bound import check_dora_scales
-from loraplex.adapters.peft_format import read_peft_adapter
 from loraplex.adapters.read_ahead import ReadAhead, read_ahead_depth
+from loraplex.adapters.reading.overflow_bound import check_dora_scales
+from loraplex.adapters.reading.peft_format import read_peft_adapter
+from loraplex.adapters.reading.tokenizer import read_adapter_tokenizer
+from loraplex.adapters.reading.weights import AdapterWeights
 from loraplex.adapters.rereads import Rereads
 from loraplex.adapters.slots import SlotTable, SlotWriter
 from loraplex.adapters.snapshot import tier_snapshot
-from loraplex.adapters.tokenizer import read_adapter_tokenizer
 from loraplex.adapters.versions import VersionTable, VersionView
-from loraplex.adapters.weights import AdapterWeights
 from loraplex.config import ModelConfig
 from loraplex.errors import AdapterAlreadyLoaded, AdapterError, UnknownAdapter
 from loraplex.ops.lora_batch import BatchMapping, LoRABatch

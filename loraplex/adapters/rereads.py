@@ -11,7 +11,7 @@ from pathlib import Path
 
 from loraplex.adapters.info import AdapterInfo
 from loraplex.adapters.read_ahead import ReadAhead
-from loraplex.adapters.weights import AdapterWeights
+from loraplex.adapters.reading.weights import AdapterWeights
 from loraplex.errors import AdapterContentChanged, AdapterError
 
 Done = Callable[[AdapterInfo, AdapterWeights | None, AdapterError | None], None]

@@ -1,6 +1,6 @@
 """Adapter versions' own tokenizers outside the engine's process, read from their folders.
 
-An adapter version that ships its own tokenizer or chat template (``adapters/tokenizer.py``) encodes,
+An adapter version that ships its own tokenizer or chat template (``adapters/reading/tokenizer.py``) encodes,
 renders and decodes its requests with it; every other request uses the base model's. The engine keeps
 the tokenizer objects it read at load time; a process without them (the engine process's frontend, a
 request-preparation worker) reads the version's folder again, once per version, with the same reader:
@@ -20,7 +20,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from loraplex.adapters.tokenizer import read_adapter_tokenizer
+from loraplex.adapters.reading.tokenizer import read_adapter_tokenizer
 from loraplex.adapters.versions import HeldVersion
 from loraplex.client.directory import TokenizerReader, Version
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from loraplex.adapters.adapter_config import AdapterConfig
-from loraplex.adapters.safetensors_file import TensorSpec
-from loraplex.adapters.weights import VOCAB_MODULES, VocabModule
+from loraplex.adapters.reading.adapter_config import AdapterConfig
+from loraplex.adapters.reading.safetensors_file import TensorSpec
+from loraplex.adapters.reading.weights import VOCAB_MODULES, VocabModule
 from loraplex.config import ModelConfig
 from loraplex.errors import AdapterRankTooLarge, AdapterShapeMismatch, InvalidAdapter
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import re2
 
-from loraplex.adapters.weights import VOCAB_MODULES
+from loraplex.adapters.reading.weights import VOCAB_MODULES
 from loraplex.errors import InvalidAdapter, UnsupportedAdapter
 
 # PEFT options that change the forward pass beyond what loraplex serves: refused when set.

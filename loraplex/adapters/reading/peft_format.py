@@ -30,13 +30,19 @@ from types import MappingProxyType
 import torch
 import xxhash
 
-from loraplex.adapters.adapter_config import AdapterConfig
-from loraplex.adapters.bounded_json import parse_json
-from loraplex.adapters.overflow_bound import check_norms, check_pairs
-from loraplex.adapters.safe_files import adapter_folder, present, read_file, resolve_roots
-from loraplex.adapters.vocab_modules import Shaped, check_layout, check_tensor, check_vocab_layout, read_vocab_modules
-from loraplex.adapters.weight_file import WeightFile, open_weight_file
-from loraplex.adapters.weights import VOCAB_MODULES, AdapterWeights, ModuleKey, Pair, VocabModule
+from loraplex.adapters.reading.adapter_config import AdapterConfig
+from loraplex.adapters.reading.bounded_json import parse_json
+from loraplex.adapters.reading.overflow_bound import check_norms, check_pairs
+from loraplex.adapters.reading.safe_files import adapter_folder, present, read_file, resolve_roots
+from loraplex.adapters.reading.vocab_modules import (
+    Shaped,
+    check_layout,
+    check_tensor,
+    check_vocab_layout,
+    read_vocab_modules,
+)
+from loraplex.adapters.reading.weight_file import WeightFile, open_weight_file
+from loraplex.adapters.reading.weights import VOCAB_MODULES, AdapterWeights, ModuleKey, Pair, VocabModule
 from loraplex.config import ModelConfig, Projection
 from loraplex.errors import AdapterNotFound, AdapterRankTooLarge, InvalidAdapter
 

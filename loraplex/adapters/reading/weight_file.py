@@ -21,8 +21,8 @@ from types import TracebackType
 
 import torch
 
-from loraplex.adapters.safe_files import AdapterFile, Roots, open_file, present
-from loraplex.adapters.safetensors_file import (
+from loraplex.adapters.reading.safe_files import AdapterFile, Roots, open_file, present
+from loraplex.adapters.reading.safetensors_file import (
     HEADER_LENGTH_BYTES,
     Header,
     TensorSpec,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.adapters.bounded_json import parse_json
+from loraplex.adapters.reading.bounded_json import parse_json
 from loraplex.errors import InvalidAdapter
 
 HEADER_LENGTH_BYTES = 8

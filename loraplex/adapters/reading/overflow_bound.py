@@ -39,7 +39,7 @@ from collections.abc import Mapping
 
 import torch
 
-from loraplex.adapters.weights import AdapterWeights
+from loraplex.adapters.reading.weights import AdapterWeights
 from loraplex.errors import AdapterOverflow, InvalidAdapter
 
 INPUT_NORM = 2.0**64

@@ -22,8 +22,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from loraplex.adapters.bounded_json import parse_json
-from loraplex.adapters.safe_files import Roots, present, read_file, resolve_roots
+from loraplex.adapters.reading.bounded_json import parse_json
+from loraplex.adapters.reading.safe_files import Roots, present, read_file, resolve_roots
 from loraplex.errors import InvalidAdapter
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "added_tokens.json")
