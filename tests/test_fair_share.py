@@ -1,4 +1,4 @@
-"""Fair share per tenant (engine/fair_share.py), driven step by step without a model. Service is measured
+"""Fair share per tenant (engine/scheduler/fair_share.py), driven step by step without a model. Service is measured
 here from the scheduled batches (weighted tokens each step computes), independently of the counters."""
 
 from __future__ import annotations

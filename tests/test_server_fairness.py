@@ -1,4 +1,4 @@
-"""Fair share per tenant over real HTTP (engine/fair_share.py). Two backlogged tenants, one sending 10x the
+"""Fair share per tenant over real HTTP (engine/scheduler/fair_share.py). Two backlogged tenants, one sending 10x the
 other's requests: the service they receive, measured from the outside (tokens as they stream back, weighted
 as VTC weighs them: the prompt with the first token, then each token), differs by less than 2·N·R, the
 docstring's bound N·R plus the requests in flight that the measurement trails. Under FCFS the same run

@@ -1,6 +1,6 @@
 """``EngineProcess``: the engine core in its own process, driven from this (the API) process.
 
-``start()`` launches the engine process (``core_launch``: ``python -m loraplex.engine.core_process``
+``start()`` launches the engine process (``client/launcher``: ``python -m loraplex.engine.core_process``
 on one end of a socket pair) with the ``EngineConfig`` and the start-up adapters, and waits until
 it serves. Then, in this process:
 

@@ -4,7 +4,7 @@ Policy, once per step:
 1. Running requests go first, oldest first: a decode token each, or the next chunk of an unfinished
    prefill. If the KV cache cannot grow, the newest running request is preempted (its blocks are
    returned; it keeps its adapter pin and is recomputed later from its prompt and its tokens so far).
-2. Waiting requests are admitted in fair order (``engine/fair_share.py``: the tenant with the least
+2. Waiting requests are admitted in fair order (``engine/scheduler/fair_share.py``: the tenant with the least
    service first, by virtual token counters, priority within a tenant; with one tenant or
    ``scheduling_policy="fcfs"``: queue order, oldest first), while ``max_num_seqs``, the step's token
    budget (``max_num_batched_tokens``) and the KV cache allow, and only if their adapter can be

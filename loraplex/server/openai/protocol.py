@@ -3,7 +3,7 @@
 Request models check types; ranges (temperature in [0, 2], ...) are checked once, by
 ``SamplingParams.validate``, so the offline API and the server reject the same values with the same
 messages; the OpenAPI schema publishes the same ranges (``json_schema_extra``, from the limits in
-``engine/sampling_params.py``). A declared field is implemented; any other field is accepted only
+``engine/sampling/params.py``). A declared field is implemented; any other field is accepted only
 with a neutral value (``strict_fields.py``), so nothing a client asks for is silently dropped.
 """
 

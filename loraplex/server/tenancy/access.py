@@ -1,6 +1,6 @@
 """Access control: who may call the API, and which adapter folders it may load at run time.
 
-- ``BearerAuthMiddleware``: with API keys set (``server/keys.py``), every ``/v1/*`` call needs
+- ``BearerAuthMiddleware``: with API keys set (``server/tenancy/keys.py``), every ``/v1/*`` call needs
   ``Authorization: Bearer KEY`` of a configured key (401 otherwise); ``/health`` and ``/metrics`` stay
   open. The key found is put in the request's scope (``caller(request)`` reads it); with scoped keys, a
   call outside ``/v1`` (``/tokenize``, ``/detokenize``: no key needed, as vLLM) gets the scope of its key

@@ -7,7 +7,7 @@
 - ``adapters``: adapter names or glob patterns (``fnmatch``: ``acme-*``) the key may use (default: none).
 - ``base_model``: whether it may use the base model (default true).
 - ``admin``: whether it may load, unload, roll back and split adapters (default false).
-- ``max_concurrent_requests``, ``tokens_per_minute``: optional limits (``server/quotas.py``).
+- ``max_concurrent_requests``, ``tokens_per_minute``: optional limits (``server/tenancy/quotas.py``).
 
 ``--api-key KEY`` is the single-key form: tenant ``default``, every adapter, the base model, admin.
 An adapter outside a key's scope is answered exactly as an unknown one (404, same body), so names do not

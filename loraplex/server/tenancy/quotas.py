@@ -1,4 +1,4 @@
-"""Per-key limits (``server/keys.py``): requests in flight and tokens per minute; over a limit is 429 with
+"""Per-key limits (``server/tenancy/keys.py``): requests in flight and tokens per minute; over a limit is 429 with
 ``Retry-After``.
 
 - ``max_concurrent_requests``: completions and chat completions of the key running at once (a streamed
