@@ -1,7 +1,7 @@
-"""Scoped API keys over real HTTP (server/tenancy/keys.py, server/tenancy/quotas.py), in both engine modes: a key sees and uses
-only its scope (an adapter outside it is a 404 with the unknown model's exact body, in /v1/models too),
-non-admin loads are 403, limits answer 429 with Retry-After, the tenant label is bounded to the configured
-tenants, the tenant reaches the engine, and no key is ever logged."""
+"""Scoped API keys over real HTTP (server/tenancy/keys.py, server/tenancy/quotas.py), in both engine modes: a
+key sees and uses only its scope (an adapter outside it is a 404 with the unknown model's exact body, in
+/v1/models too), non-admin loads are 403, limits answer 429 with Retry-After, the tenant label is bounded to the
+configured tenants, the tenant reaches the engine, and no key is ever logged."""
 
 from __future__ import annotations
 

@@ -152,7 +152,7 @@ def _complete(schema: dict[str, Any], vocab: int, max_len: int, auth: bool, mode
                 responses["401"] = {"description": STATUS_TEXT[401], "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
                 operation["security"] = [{"bearer": []}]
-            if auth and path in ("/v1/completions", "/v1/chat/completions"):  # a key's limits (server/tenancy/quotas.py)
+            if auth and path in ("/v1/completions", "/v1/chat/completions"):  # a key's limits (tenancy/quotas.py)
                 responses["429"] = {"description": STATUS_TEXT[429], "headers": RETRY_AFTER, "content": {
                     "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
     components = schema["components"]
