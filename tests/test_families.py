@@ -74,7 +74,7 @@ def test_mixed_batch_under_pressure_equals_hf_peft(family: tuple[Path, dict[str,
     llm.engine.runner.execute = lambda entries, lora: steps.append((entries, execute(entries, lora))) or steps[-1][1]
     outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
                         adapters=chosen)
-    assert llm.engine.stats().device_evictions > 0, "3 adapters over 2 slots must rotate them"
+    assert llm.engine.stats().adapter_counters.device_evictions > 0, "3 adapters over 2 slots must rotate them"
     assert any(e.start_pos > 0 and len(e.token_ids) > 1 for entries, _ in steps for e in entries), "no chunk ran"
 
     def first_logits(prompt: list[int]) -> torch.Tensor:
