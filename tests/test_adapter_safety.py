@@ -25,7 +25,6 @@ from loraplex.adapters.names import check_adapter_name
 from loraplex.adapters.reading import safe_files
 from loraplex.adapters.reading.overflow_bound import INPUT_NORM, WEIGHT_BOUND
 from loraplex.adapters.reading.peft_format import read_peft_adapter
-from loraplex.adapters.reading.weights import AdapterWeights
 from loraplex.config import ModelConfig
 from loraplex.errors import (
     AdapterError,
@@ -37,28 +36,18 @@ from loraplex.errors import (
 )
 from loraplex.ops.lora_batch import BatchMapping
 from tests.fixtures import write_peft_adapter
+from tests.test_peft_format import NullWriter
 
 Q = "base_model.model.model.layers.0.self_attn.q_proj"
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
 
 
-class _NullWriter:
-    def prepare(self, weights: AdapterWeights) -> AdapterWeights:
-        return weights
-
-    def set_slot(self, slot: int, weights: AdapterWeights) -> None:
-        pass
-
-    def clear_slot(self, slot: int) -> None:
-        pass
-
-
 @pytest.fixture
 def manager(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> Iterator[AdapterManager]:
     """A manager serving one good adapter, pinned in a slot."""
     manager = AdapterManager(ModelConfig.from_hf(tiny_llama), max_loras=2, max_cpu_loras=2, max_lora_rank=16,
-                             writer=_NullWriter())
+                             writer=NullWriter())
     manager.acquire(manager.load("good", tiny_llama_adapters["r2_qv"]).version_id)
     yield manager
     manager.close()

@@ -210,7 +210,9 @@ BAD = {
 }
 
 
-class _NullWriter:
+class NullWriter:
+    """A slot writer that writes nothing (the manager without a model)."""
+
     def prepare(self, weights: AdapterWeights) -> AdapterWeights:
         return weights
 
@@ -229,7 +231,7 @@ def test_bad_adapter_fails_alone(case: str, tiny_llama: Path, tiny_llama_adapter
     if edit is not None:
         edit(folder)
     manager = AdapterManager(ModelConfig.from_hf(tiny_llama), max_loras=2, max_cpu_loras=2,
-                             max_lora_rank=max_rank, writer=_NullWriter())
+                             max_lora_rank=max_rank, writer=NullWriter())
     good = manager.load("good", tiny_llama_adapters["r2_qv"])
     manager.acquire(good.version_id)
     before = (manager.list(), list(manager.slot_table.slots), manager.slot_table.version, manager.counters())
