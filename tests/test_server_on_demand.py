@@ -57,7 +57,7 @@ def post(server: Server, model: str, key: str = "sk-all") -> httpx.Response:
 
 def test_32_concurrent_first_uses_load_once_and_all_answer(server: Server, reference: str,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    loads_before = server.stats().loads
+    loads_before = server.stats().adapter_counters.loads
     calls: list[str] = []  # engine loads the server asks for (the engine would refuse a second one: 409)
     load = server.engine_client.load_adapter
 
@@ -77,7 +77,7 @@ def test_32_concurrent_first_uses_load_once_and_all_answer(server: Server, refer
     responses = asyncio.run(race())
     assert [r.status_code for r in responses] == [200] * 32, [r.text for r in responses if r.status_code != 200]
     assert {r.json()["choices"][0]["text"] for r in responses} == {reference}
-    assert server.stats().loads == loads_before + 1 and calls == ["fresh"]
+    assert server.stats().adapter_counters.loads == loads_before + 1 and calls == ["fresh"]
     listing = httpx.get(f"{server.url}/v1/adapters", headers={"Authorization": "Bearer sk-all"}).json()["data"]
     fresh = next(e for e in listing if e["name"] == "fresh")
     assert len(fresh["versions"]) == 1 and fresh["versions"][0]["requests_served"] == 32
@@ -92,8 +92,8 @@ def test_missing_invalid_and_escaping_folders(server: Server) -> None:
     assert invalid.status_code == 400 and "rank" in invalid.json()["error"]["message"]
     assert post(server, "fresh-link").status_code == 403  # resolves outside the root
     assert post(server, "../fresh").status_code == 404  # a path, not a name: never looked up
-    loads = server.stats().loads
+    loads = server.stats().adapter_counters.loads
     hidden, unknown = post(server, "secret", key="sk-few"), post(server, "nothing", key="sk-few")
     assert hidden.status_code == unknown.status_code == 404
     assert hidden.text.replace("secret", "X") == unknown.text.replace("nothing", "X")
-    assert server.stats().loads == loads  # out of scope: not loaded
+    assert server.stats().adapter_counters.loads == loads  # out of scope: not loaded
