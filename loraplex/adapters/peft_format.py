@@ -23,11 +23,12 @@ import torch
 import xxhash
 
 from loraplex.adapters.adapter_config import AdapterConfig
+from loraplex.adapters.parameter_targets import check_target_parameters, expert_pair, locate_parameter_module
 from loraplex.adapters.vocab_modules import check_tensor, read_vocab_modules
 from loraplex.adapters.weight_file import read_weight_file
 from loraplex.adapters.weights import VOCAB_MODULES, AdapterWeights, ModuleKey, Pair, VocabModule
 from loraplex.config import ModelConfig, Projection
-from loraplex.errors import AdapterNotFound, AdapterRankTooLarge, InvalidAdapter
+from loraplex.errors import AdapterNotFound, AdapterRankTooLarge, InvalidAdapter, UnsupportedAdapter
 
 CONFIG_FILE = "adapter_config.json"
 
@@ -61,6 +62,7 @@ def read_peft_adapter(
     if not isinstance(raw, dict):
         raise InvalidAdapter(f"{folder}: {CONFIG_FILE} must hold a JSON object")
     config = AdapterConfig.from_dict(raw, str(folder))
+    check_target_parameters(folder, config, model_config)
     weight_file = read_weight_file(folder, allow_pickle)
     # one reduction over the whole file: a finite sum means no NaN/inf anywhere (else each tensor is checked)
     finite = weight_file.flat is not None and bool(torch.isfinite(weight_file.flat.sum()))
@@ -71,7 +73,7 @@ def read_peft_adapter(
     if not modules and not vocab:
         raise InvalidAdapter(f"{folder}: the adapter applies to zero modules (no LoRA tensors); "
                              "refusing to serve it as the base model")
-    ranks = [a.shape[0] for a, _ in modules.values()] + [v.lora[0].shape[0] for v in vocab.values() if v.lora]
+    ranks = [a.shape[-2] for a, _ in modules.values()] + [v.lora[0].shape[0] for v in vocab.values() if v.lora]
     return AdapterWeights(
         path=str(folder),
         config=config,
@@ -126,26 +128,33 @@ def _build_modules(folder: Path, config: AdapterConfig, parts: Mapping[str, Mapp
     modules: dict[ModuleKey, Pair] = {}
     magnitudes: dict[ModuleKey, torch.Tensor] = {}
     for module, pair in sorted(parts.items()):
-        layer_idx, proj = _locate(folder, module, model_config, projections)
+        # a parameter PEFT wrapped (target_parameters: MoE experts, a router) is keyed by its full name
+        located = locate_parameter_module(folder, module, config, model_config)
+        layer_idx, proj, key = located or (*_locate(folder, module, model_config, projections), module)
         for half, other in (("lora_A", "lora_B"), ("lora_B", "lora_A")):
             if half not in pair:
                 raise InvalidAdapter(f"{folder}: module {module!r} has {other} but no {half} tensor")
-        if not config.targets(module, layer_idx):
+        if located is None and not config.targets(module, layer_idx):
             raise InvalidAdapter(f"{folder}: tensors for module {module!r}, which target_modules="
                                  f"{config.target_modules!r} / layers_to_transform do not select")
-        r = config.rank_for(module)
+        r = config.rank_for(key)
         if r > max_lora_rank:
             raise AdapterRankTooLarge(
                 f"{folder}: module {module!r} has rank {r}, over max_lora_rank={max_lora_rank}")
         shape = projections[proj]
-        why = f" (rank {r}; base {proj} is {shape.in_features} -> {shape.out_features})"
-        a = check_tensor(folder, f"{module}.lora_A", pair["lora_A"], (r, shape.in_features), why, finite)
-        b = check_tensor(folder, f"{module}.lora_B", pair["lora_B"], (shape.out_features, r), why, finite)
-        if in_place and b is pair["lora_B"]:
-            to_fold.setdefault(config.scale_for(module), []).append(b)
+        if shape.experts:
+            if "magnitude" in pair:
+                raise UnsupportedAdapter(f"{folder}: module {module!r}: DoRA on stacked experts is not served")
+            a, b = expert_pair(folder, module, pair["lora_A"], pair["lora_B"], r, shape, finite)
         else:
-            b = (b * config.scale_for(module)).contiguous()
-        modules[(layer_idx, proj)] = (a, b)  # [r, in], [out, r]
+            why = f" (rank {r}; base {proj} is {shape.in_features} -> {shape.out_features})"
+            a = check_tensor(folder, f"{module}.lora_A", pair["lora_A"], (r, shape.in_features), why, finite)
+            b = check_tensor(folder, f"{module}.lora_B", pair["lora_B"], (shape.out_features, r), why, finite)
+        if in_place and b is pair["lora_B"]:
+            to_fold.setdefault(config.scale_for(key), []).append(b)
+        else:
+            b = (b * config.scale_for(key)).contiguous()
+        modules[(layer_idx, proj)] = (a, b)  # [r, in], [out, r]; stacked experts [E, r, in], [E, out, r]
         if "magnitude" in pair:
             if not config.use_dora:
                 raise InvalidAdapter(f"{folder}: module {module!r} has a DoRA lora_magnitude_vector but "

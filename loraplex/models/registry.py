@@ -22,6 +22,11 @@ _ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "loraplex.models.qwen3:Qwen3ForCausalLM",
     "Gemma3ForCausalLM": "loraplex.models.gemma3:Gemma3ForCausalLM",
     "Phi3ForCausalLM": "loraplex.models.phi3:Phi3ForCausalLM",
+    "Gemma2ForCausalLM": "loraplex.models.gemma2:Gemma2ForCausalLM",
+    "GraniteForCausalLM": "loraplex.models.granite:GraniteForCausalLM",
+    "SmolLM3ForCausalLM": "loraplex.models.smollm3:SmolLM3ForCausalLM",
+    "Qwen3MoeForCausalLM": "loraplex.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "GraniteMoeForCausalLM": "loraplex.models.granite_moe:GraniteMoeForCausalLM",
 }
 
 
