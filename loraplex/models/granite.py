@@ -49,7 +49,8 @@ class GraniteConfig(ModelConfig):
 
     @classmethod
     def normalise(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
-        return {**super().normalise(raw), **granite_fields(raw, "GraniteForCausalLM")}
+        fields = super().normalise(raw)
+        return {**fields, **granite_fields(raw, fields["architecture"])}
 
 
 class GraniteMultipliers:
