@@ -86,6 +86,9 @@ _FAMILY = {
                    query_pre_attn_scalar=24, rope_theta=50000.0, rope_local_base_freq=100.0),
     "phi3": dict(tie_word_embeddings=False, max_position_embeddings=128,
                  original_max_position_embeddings=PHI3_ORIGINAL_MAX_POSITIONS, rope_scaling=_phi3_longrope(16)),
+    "gemma3capped": dict(num_hidden_layers=4, head_dim=16, sliding_window=GEMMA3_SLIDING_WINDOW,
+                         sliding_window_pattern=3, query_pre_attn_scalar=24, rope_theta=50000.0,
+                         rope_local_base_freq=100.0, **GEMMA2_SOFTCAPS),
     "gemma2": dict(num_hidden_layers=4, head_dim=16, sliding_window=GEMMA3_SLIDING_WINDOW, query_pre_attn_scalar=24,
                    rope_theta=5000.0, **GEMMA2_SOFTCAPS),
     "granite": dict(tie_word_embeddings=True, embedding_multiplier=6.0, residual_multiplier=0.3,
@@ -102,7 +105,8 @@ _FAMILY = {
                        attention_multiplier=0.09, logits_scaling=2.5),
 }
 _CONFIGS = {"llama": LlamaConfig, "llama3": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
-            "qwen3": Qwen3Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "gemma2": Gemma2Config,
+            "qwen3": Qwen3Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "gemma3capped": Gemma3TextConfig,
+            "gemma2": Gemma2Config,
             "granite": GraniteConfig, "smollm3": SmolLM3Config, "phi4mini": Phi3Config, "qwen3moe": Qwen3MoeConfig,
             "granitemoe": GraniteMoeConfig}
 
@@ -110,7 +114,8 @@ _CONFIGS = {"llama": LlamaConfig, "llama3": LlamaConfig, "mistral": MistralConfi
 def tiny_config(arch: str = "llama", **overrides):
     """A small HF config: ``arch`` is "llama", "llama3" (rope scaling, untied), "mistral" (sliding
     window 8), "qwen2", "qwen3" (head_dim 32 != hidden / heads), "gemma3" (4 layers, local-local-global-
-    local, window 6, query_pre_attn_scalar 24), "phi3" (LongRoPE over 32 of 128 positions, untied), "gemma2"
+    local, window 6, query_pre_attn_scalar 24), "gemma3capped" (that with soft-capping set: HF applies the final one only), "phi3"
+    (LongRoPE over 32 of 128 positions, untied), "gemma2"
     (4 layers local-global, window 6, soft-capping 3 / 4), "granite" (every multiplier != 1), "smollm3"
     (4 layers, NoPE in blocks 1 and 3), "phi4mini" (partial rotary 0.75 with LongRoPE, tied), "qwen3moe"
     (8 experts, top 2, normalised) or "granitemoe" (8 experts, top 2, multipliers)."""
@@ -127,8 +132,8 @@ def write_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0.0, 0.1)
-            elif arch in (*NEW_FAMILIES, *FAMILIES_34) and "norm" in name:  # Gemma's are zeros, others ones:
-                p.add_(torch.randn_like(p), alpha=0.2)  # perturb them
+            elif arch in (*NEW_FAMILIES, *FAMILIES_34, "gemma3capped") and "norm" in name:
+                p.add_(torch.randn_like(p), alpha=0.2)  # Gemma's are zeros, others ones: perturb them
             elif arch in MOE_FAMILIES and name.endswith(("mlp.gate.weight", "router.weight")):
                 p.normal_(0.0, 0.5)  # decisive routing: the top-k never hinges on float rounding
     model.save_pretrained(folder, safe_serialization=True)

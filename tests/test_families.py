@@ -1,12 +1,12 @@
-"""Qwen3, Gemma 3, Phi-3 and issue 34's families (Gemma 2, Granite, SmolLM3, Phi-4-mini, Qwen3-MoE,
-GraniteMoE) end to end against HF transformers + PEFT (float32): mixed batches of rank-heterogeneous
-adapters on every projection of the family (``rank_pattern``, ``alpha_pattern``, rsLoRA; for MoE: attention
-only, experts only, both, and Qwen3-MoE's router through "all-linear") and base-only rows, under slot
-pressure (3 adapters, 2 slots), chunked prefill and prefix caching, 48 greedy tokens from prompts longer
-than Gemma's window (Phi-3's sequences cross LongRoPE's switch to the long factors while decoding); issue
-34's families also on int8 base weights against HF + PEFT on the dequantized weights; and adapters of another
-family refused with precise errors. MoE specifics (routing, the grouped experts op, adapter layouts):
-``tests/test_families_moe.py``."""
+"""Qwen3, Gemma 3 (also with logit soft-capping), Phi-3 and issue 34's families (Gemma 2, Granite, SmolLM3,
+Phi-4-mini, Qwen3-MoE, GraniteMoE) end to end against HF transformers + PEFT (float32): mixed batches of
+rank-heterogeneous adapters on every projection of the family (``rank_pattern``, ``alpha_pattern``, rsLoRA;
+for MoE: attention only, experts only, both, and Qwen3-MoE's router through "all-linear") and base-only rows,
+under slot pressure (3 adapters, 2 slots), chunked prefill and prefix caching, 48 greedy tokens from prompts
+longer than Gemma's window (Phi-3's sequences cross LongRoPE's switch to the long factors while decoding);
+issue 34's families also on int8 base weights against HF + PEFT on the dequantized weights; and adapters of
+another family refused with precise errors. MoE specifics (routing, the grouped experts op, adapter
+layouts): ``tests/test_families_moe.py``."""
 
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ def run_mixed_batch(base: Path, adapters: dict[str, Path], reference: Path, quan
                 assert (ours - hf_logits(base_hf, prompts[i])[-1]).abs().max() > 1e-2 * ours.abs().max()
 
 
-@pytest.mark.parametrize("arch", [*NEW_FAMILIES, *FAMILIES_34])
+@pytest.mark.parametrize("arch", [*NEW_FAMILIES, "gemma3capped", *FAMILIES_34])
 def test_mixed_batch_under_pressure_equals_hf_peft(arch: str, adapters_of: Callable) -> None:
     base, adapters = adapters_of(arch)
     run_mixed_batch(base, adapters, base, None)

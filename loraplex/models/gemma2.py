@@ -45,3 +45,4 @@ class Gemma2ForCausalLM(Gemma3ForCausalLM):
 
     config_class = Gemma2Config
     qk_norm = False
+    attention_softcap = True

@@ -6,10 +6,10 @@ Every RMSNorm computes ``(1 + w) * x_normalised`` (``norm_offset``); embeddings 
 ``sqrt(hidden)``; attention has a per-head ``(1 + w)`` RMSNorm on q and k, the scale
 ``query_pre_attn_scalar ** -0.5``, and alternates local layers (sliding window, rope base
 ``rope_local_base_freq``) with global ones (full attention, base ``rope_theta``, their own scaling).
-Logit soft-capping, when the config sets it (Gemma 2 always does; released Gemma 3 configs do not):
-attention scores ``tanh(s / attn_logit_softcapping) * attn_logit_softcapping`` before the mask, final
-logits ``tanh(z / final_logit_softcapping) * final_logit_softcapping``. The projections and PEFT target
-names are Llama's seven.
+Final-logit soft-capping when the config sets it (released Gemma 3 configs do not):
+``tanh(z / final_logit_softcapping) * final_logit_softcapping``. ``attn_logit_softcapping`` is read but, as in
+HF transformers 5 (whose ``Gemma3Attention`` stores it and never passes it on), not applied to Gemma 3's
+attention; Gemma 2 applies it (``attention_softcap``). The projections and PEFT target names are Llama's seven.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class Gemma3DecoderLayer(nn.Module):
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, window=cfg.layer_window(index),
             scale=cfg.query_pre_attn_scalar**-0.5,
             qk_norms=(model.rms_norm(cfg.head_dim), model.rms_norm(cfg.head_dim)) if model.qk_norm else None,
-            softcap=cfg.attn_logit_softcapping,
+            softcap=cfg.attn_logit_softcapping if model.attention_softcap else None,
         )
         self.post_attention_layernorm = model.rms_norm(cfg.hidden_size)
         self.pre_feedforward_layernorm = model.rms_norm(cfg.hidden_size)
@@ -119,6 +119,7 @@ class Gemma3ForCausalLM(CausalLM):
     norm_offset = 1.0
     scale_embeddings = True
     qk_norm: ClassVar[bool] = True  # per-head (1 + w) RMSNorm on q and k (Gemma 2 has none)
+    attention_softcap: ClassVar[bool] = False  # apply attn_logit_softcapping (Gemma 2; HF's Gemma 3 does not)
 
     def __init__(self, model_config: Gemma3Config, max_loras: int, max_lora_rank: int, dtype: torch.dtype,
                  device: torch.device | str) -> None:
