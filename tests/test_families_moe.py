@@ -136,6 +136,24 @@ def test_grouped_experts_match_float64_loop(tokens: int, kernels: str, weights_a
     torch.testing.assert_close(base.double(), expect, rtol=0, atol=2e-5 * float(expect.abs().max()))
 
 
+def test_expert_slots_are_allocated_by_the_first_expert_adapter() -> None:
+    """Attention-only adapters (no expert pairs) leave the expert slot buffers unallocated, and their tokens get
+    exactly the base experts; the first adapter with expert LoRA allocates them."""
+    cfg = ExpertConfig(num_experts=E, top_k=K, intermediate_size=INTER, routing="softmax_topk")
+    moe = MoEExperts(cfg, H, "silu", SLOTS, RANK, torch.float32, "cpu")
+    with torch.no_grad():
+        moe.gate_up.normal_()
+        moe.down.normal_()
+    moe.set_slot(0, {})
+    moe.clear_slot(1)
+    assert moe.gate_up_lora.lora_a is None and moe.down_lora.lora_b is None
+    x, experts = torch.randn(4, H), torch.tensor([[0, 1], [2, 3], [1, 4], [0, 2]])
+    groups = group_by_expert(experts, torch.rand(4, K), E)
+    assert torch.equal(moe(x, groups, lora_batch_from_slots(torch.tensor([0, 0, 1, -1]), 0)), moe(x, groups, None))
+    moe.set_slot(2, {"down_proj": (torch.randn(E, 3, INTER), torch.randn(E, H, 3))})
+    assert moe.down_lora.lora_a.shape == (SLOTS * E, RANK, INTER) and moe.gate_up_lora.lora_a is None
+
+
 def test_expert_groups_are_expert_sorted_and_stable() -> None:
     experts = torch.tensor([[2, 0], [0, 3], [2, 3], [1, 0]])
     groups = group_by_expert(experts, torch.arange(8.0).view(4, 2), 5)

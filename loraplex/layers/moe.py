@@ -20,6 +20,7 @@ one batched LoRA call per projection over (adapter slot, expert) groups, on the 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import torch
@@ -37,6 +38,8 @@ from loraplex.ops.lora_batch import LoRABatch
 from loraplex.ops.lora_sgmv import add_lora_sgmv
 from loraplex.ops.moe_groups import ExpertGroups, expert_lora_batch, group_by_expert
 
+logger = logging.getLogger(__name__)
+
 
 def route(logits: torch.Tensor, config: ExpertConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits [T, E]`` -> ``(weights [T, k] in dtype, experts [T, k] int64)``, the module docstring's routing."""
@@ -53,17 +56,21 @@ def route(logits: torch.Tensor, config: ExpertConfig, dtype: torch.dtype) -> tup
 class ExpertLoRA(nn.Module):
     """The LoRA slots of one stacked expert projection (``in -> out`` per expert). Slot s of expert e is
     virtual slot ``v = s * E + e`` of the batched LoRA ops: ``lora_a [max_loras * E, R_max, in]``,
-    ``lora_b [max_loras * E, out, R_max]`` (stored rank-major, as ``LoRALinear``'s), ranks per virtual slot."""
+    ``lora_b [max_loras * E, out, R_max]`` (stored rank-major, as ``LoRALinear``'s), ranks per virtual slot.
+
+    The two buffers take ``max_loras * E * R_max * (in + out)`` values, E times a dense layer's (OLMoE-1B-7B's
+    experts at 4 slots of rank 16: 117 MB a layer), so they are allocated when the first adapter with LoRA on
+    these experts is written (zeros: untouched pages cost nothing until written); a model served with
+    attention-only adapters never allocates them."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, max_loras: int, max_lora_rank: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         slots = max_loras * num_experts
-        self.num_experts, self.out_features = num_experts, out_features
-        self.register_buffer("lora_a", torch.zeros(slots, max_lora_rank, in_features, dtype=dtype, device=device),
-                             persistent=False)  # [L * E, R_max, in]
-        self.register_buffer("lora_b", torch.zeros(slots, max_lora_rank, out_features, dtype=dtype,
-                                                   device=device).transpose(1, 2), persistent=False)  # [L*E, out, R]
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        self.max_lora_rank, self.dtype = max_lora_rank, dtype
+        self.register_buffer("lora_a", None, persistent=False)  # [L * E, R_max, in] once allocated
+        self.register_buffer("lora_b", None, persistent=False)  # [L * E, out, R_max] once allocated
         self.slot_ranks = [0] * slots
         self.slot_blocks: list[Blocks] = [()] * slots
         self.register_buffer("slot_ranks_dev", torch.zeros(slots, dtype=torch.int32, device=device), persistent=False)
@@ -75,6 +82,10 @@ class ExpertLoRA(nn.Module):
         """Write ``(A [E, r, in], B [E, out, r])`` (B scale-folded) into slot ``slot`` of every expert, or empty it."""
         lo, hi = slot * self.num_experts, (slot + 1) * self.num_experts
         self.cache.clear()
+        if self.lora_a is None:
+            if pair is None:
+                return
+            self._allocate()
         old = self.slot_ranks[lo]
         if old:
             self.lora_a[lo:hi, :old].zero_()
@@ -89,8 +100,17 @@ class ExpertLoRA(nn.Module):
         self.slot_ranks_dev[lo:hi] = rank
         self.slot_blocks_dev[lo:hi] = torch.tensor([0, self.out_features, 0, rank], dtype=torch.int32) if rank else 0
 
+    def _allocate(self) -> None:
+        slots, device = len(self.slot_ranks), self.slot_ranks_dev.device
+        self.lora_a = torch.zeros(slots, self.max_lora_rank, self.in_features, dtype=self.dtype, device=device)
+        self.lora_b = torch.zeros(slots, self.max_lora_rank, self.out_features, dtype=self.dtype,
+                                  device=device).transpose(1, 2)  # rank-major in memory
+        logger.info("expert LoRA slots allocated: %.0f MiB", (self.lora_a.nbytes + self.lora_b.nbytes) / 2**20)
+
     def add(self, y: torch.Tensor, x: torch.Tensor, batch: LoRABatch, kernels: str) -> None:
         """``y += LoRA(x)`` per (slot, expert) group of ``batch`` (rows = pairs), in place."""
+        if self.lora_a is None:
+            return  # no adapter with LoRA on these experts was ever written
         if kernels == "sgmv":
             add_lora_sgmv(y, x, self.lora_a, self.lora_b, self.slot_ranks, self.slot_ranks_dev, self.slot_blocks_dev,
                           batch, slot_blocks=self.slot_blocks, cache=self.cache)
@@ -158,7 +178,7 @@ class MoEExperts(nn.Module):
     def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(gate_up [E, 2I, H], down [E, H, I])`` as plain float tensors (dequantized or unpacked copies)."""
         if self.int8 is not None:
-            return tuple(torch.stack([w.dense(self.gate_up_lora.lora_a.dtype) for w in self.int8[k]])
+            return tuple(torch.stack([w.dense(self.gate_up_lora.dtype) for w in self.int8[k]])
                          for k in ("gate_up", "down"))
         if self.packed is not None:
             return tuple(torch.stack([unpack_weight(w) for w in self.packed[k]]) for k in ("gate_up", "down"))
