@@ -65,9 +65,9 @@ def cold_loads(llm: LLM, folders: list[Path]) -> dict:
         loads.append((time.perf_counter() - start) * 1e3)
         cpu.append((time.thread_time() - start_cpu) * 1e3)
         start = time.perf_counter()
-        manager.acquire(info.adapter_id)
+        manager.acquire(info.version_id)
         acquires.append((time.perf_counter() - start) * 1e3)
-        manager.release(info.adapter_id)
+        manager.release(info.version_id)
         llm.unload_adapter(f"cold{i}")
     return {"load_ms": statistics.median(loads), "load_ms_min": min(loads), "load_ms_max": max(loads),
             "load_cpu_ms": statistics.median(cpu),

@@ -40,8 +40,9 @@ import torch
 
 from benchmarks.common import matmul_floors
 from benchmarks.step_breakdown import step_breakdown
-from loraplex.engine.kv_cache import BlockManager, KVCache
+from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.runner import ModelRunner, StepEntry
+from loraplex.engine.scheduler.block_manager import BlockManager
 from loraplex.layers import self_attention
 from loraplex.layers.lora_linear import LoRALinear, use_lora_kernels
 from loraplex.layers.norms import RMSNorm

@@ -24,9 +24,10 @@ from types import MappingProxyType
 import torch
 
 from benchmarks.common import add_step_options, machine_line, step_clock, step_header, write_json, write_random_adapter
-from loraplex.adapters.peft_format import read_peft_adapter
-from loraplex.engine.kv_cache import BlockManager, KVCache
+from loraplex.adapters.reading.peft_format import read_peft_adapter
+from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.runner import ModelRunner, StepEntry
+from loraplex.engine.scheduler.block_manager import BlockManager
 from loraplex.models.embedded import embedded_checkpoint
 from loraplex.models.loader import load_model
 from loraplex.ops.lora_batch import BatchMapping, build_lora_batch

@@ -32,17 +32,17 @@ from transformers import AutoTokenizer
 
 from benchmarks.common import QUESTIONS
 from benchmarks.peers import shared
+from loraplex.client.base import RequestStream, deliver
+from loraplex.client.output import OutputProcessor
+from loraplex.client.process import EngineProcess
+from loraplex.client.tokenizers import TokenizerTable
 from loraplex.config import EngineConfig
-from loraplex.engine.client import RequestStream, deliver
-from loraplex.engine.output_processor import OutputProcessor
-from loraplex.engine.process_client import EngineProcess
 from loraplex.engine.request import RequestOutput, SamplingParams
-from loraplex.engine.tokenizers import TokenizerTable
 from loraplex.models.embedded import embedded_checkpoint
 from loraplex.server.generation import _sse
-from loraplex.server.prepare import RequestPreparer
-from loraplex.server.prepare_worker import PrepareConfig, PrepareWorker
-from loraplex.server.responses import ResponseBuilder, TokenTexts
+from loraplex.server.openai.responses import ResponseBuilder, TokenTexts
+from loraplex.server.prepare.preparer import RequestPreparer
+from loraplex.server.prepare.worker import PrepareConfig, PrepareWorker
 
 STREAMS, STEPS = 16, 64
 

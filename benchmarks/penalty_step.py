@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 import torch
 
 from benchmarks.common import add_step_options, machine_line, step_clock, step_header, write_json
-from loraplex.engine.kv_cache import BlockManager, KVCache
-from loraplex.engine.logits_processors import ProcessorState
+from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.runner import ModelRunner, StepEntry
-from loraplex.engine.sampling import sample
-from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.sampling.logits_processors import ProcessorState
+from loraplex.engine.sampling.params import SamplingParams
+from loraplex.engine.sampling.sampler import sample
+from loraplex.engine.scheduler.block_manager import BlockManager
 from loraplex.models.embedded import embedded_checkpoint
 from loraplex.models.loader import load_model
 

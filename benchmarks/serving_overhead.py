@@ -50,8 +50,8 @@ from benchmarks.peers import loadgen, shared  # noqa: E402
 from benchmarks.peers.serving import start, stop  # noqa: E402
 from benchmarks.serving_breakdown import OfflineTimer, ServedCounters  # noqa: E402
 from loraplex import LLM, SamplingParams  # noqa: E402
+from loraplex.client.launcher import OMP_WAIT_POLICY  # noqa: E402
 from loraplex.demo_adapters import DEMO_ADAPTERS  # noqa: E402
-from loraplex.engine.core_launch import OMP_WAIT_POLICY  # noqa: E402
 from loraplex.models.embedded import embedded_checkpoint  # noqa: E402
 
 MODEL = shared.MODEL_NAME

@@ -155,7 +155,7 @@ def serving(config: Any, startup: dict[str, Path], root: Path) -> Iterator[tuple
 
     import uvicorn
 
-    from loraplex.engine.process_client import EngineProcess
+    from loraplex.client.process import EngineProcess
     from loraplex.server.app import create_app
 
     client = EngineProcess(config, [(name, str(path)) for name, path in startup.items()])

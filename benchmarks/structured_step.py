@@ -20,14 +20,15 @@ import torch
 from transformers import AutoTokenizer
 
 from benchmarks.common import add_step_options, machine_line, step_clock, step_header, write_json
-from loraplex.engine.kv_cache import BlockManager, KVCache
-from loraplex.engine.logits_processors import ProcessorState
+from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.runner import ModelRunner, StepEntry
-from loraplex.engine.sampling import sample
-from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.structured.compiler import GrammarCompilers
-from loraplex.engine.structured.masks import GrammarState, accept_tokens, apply_grammar_masks
-from loraplex.engine.structured.params import StructuredOutputsParams
+from loraplex.engine.sampling.logits_processors import ProcessorState
+from loraplex.engine.sampling.params import SamplingParams
+from loraplex.engine.sampling.sampler import sample
+from loraplex.engine.sampling.structured.compiler import GrammarCompilers
+from loraplex.engine.sampling.structured.masks import GrammarState, accept_tokens, apply_grammar_masks
+from loraplex.engine.sampling.structured.params import StructuredOutputsParams
+from loraplex.engine.scheduler.block_manager import BlockManager
 from loraplex.models.embedded import embedded_checkpoint
 from loraplex.models.loader import load_model
 from tests.structured_schemas import SCHEMAS

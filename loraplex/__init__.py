@@ -1,17 +1,21 @@
 """loraplex: serve many LoRA adapters over one base LLM, mixed in one batch."""
 
+from loraplex.client.output import RequestOutput
 from loraplex.config import EngineConfig, ModelConfig
-from loraplex.engine.request import RequestOutput, SamplingParams
-from loraplex.engine.structured.params import StructuredOutputsParams
+from loraplex.engine.request import SamplingParams
+from loraplex.engine.sampling.structured.params import StructuredOutputsParams
 from loraplex.errors import (
     AdapterAlreadyLoaded,
     AdapterContentChanged,
     AdapterError,
     AdapterMemoryBudgetExceeded,
     AdapterNotFound,
+    AdapterOverflow,
     AdapterRankTooLarge,
     AdapterShapeMismatch,
+    ForbiddenAdapterPath,
     InvalidAdapter,
+    InvalidAdapterName,
     LoraplexError,
     ModelError,
     RequestError,
@@ -33,5 +37,5 @@ __all__ = [
     "LLM", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutput", "LoraplexError", "AdapterError",
     "AdapterNotFound", "InvalidAdapter", "AdapterRankTooLarge", "UnsupportedAdapter", "AdapterShapeMismatch",
     "AdapterAlreadyLoaded", "UnknownAdapter", "AdapterContentChanged", "AdapterMemoryBudgetExceeded", "ModelError",
-    "RequestError",
+    "RequestError", "AdapterOverflow", "ForbiddenAdapterPath", "InvalidAdapterName",
 ]

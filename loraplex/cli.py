@@ -14,7 +14,7 @@ from loraplex.config import EngineConfig
 from loraplex.errors import LoraplexError
 
 if TYPE_CHECKING:
-    from loraplex.engine.client import EngineClient
+    from loraplex.client.base import EngineClient
 
 logger = logging.getLogger("loraplex.cli")
 
@@ -185,7 +185,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
     from loraplex.server.app import create_app
     from loraplex.server.draining import DrainingServer
-    from loraplex.server.keys import KeyTable
+    from loraplex.server.tenancy.keys import KeyTable
 
     config = engine_config(args, parser)
     if args.api_keys and args.api_key:
@@ -198,15 +198,11 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--api-keys: {exc}")
     client: EngineClient
     if args.in_process_engine:
-        from loraplex.engine.async_engine import AsyncEngine
-        from loraplex.engine.engine import Engine
+        from loraplex.client.inproc import AsyncEngine
 
-        engine = Engine(config)
-        for name, path in startup_adapters(args):
-            engine.load_adapter(name, path)
-        client = AsyncEngine(engine)
+        client = AsyncEngine.from_config(config, startup_adapters(args))
     else:
-        from loraplex.engine.process_client import EngineProcess
+        from loraplex.client.process import EngineProcess
 
         client = EngineProcess(config, startup_adapters(args), cpus=args.engine_cpus, log_level=args.log_level)
         client.start()

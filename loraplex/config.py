@@ -286,7 +286,7 @@ class EngineConfig:
     # Waiting requests may skip ahead of one whose adapter cannot be placed, for at most this many
     # steps; then admission turns strictly first-come-first-served until it is placed (no starvation).
     max_skip_steps: int = 64
-    # Admission order: "fair" (per-tenant virtual token counters, engine/fair_share.py; one tenant gets
+    # Admission order: "fair" (per-tenant virtual token counters, engine/scheduler/fair_share.py; one tenant gets
     # plain FCFS) or "fcfs" (queue order, tenants ignored); priority orders within a tenant under "fair".
     scheduling_policy: str = "fair"
     # Reuse the K/V of cached full blocks of a prompt's prefix computed under the same adapter version.

@@ -43,6 +43,30 @@ class AdapterShapeMismatch(InvalidAdapter):
     """A tensor's shape does not match the base model's layer."""
 
 
+class AdapterOverflow(InvalidAdapter):
+    """Finite adapter weights large enough that a float32 step could overflow; the message names the module,
+    the bound (``adapters/reading/overflow_bound.py``) and the measured value."""
+
+
+class InvalidAdapterName(AdapterError):
+    """An adapter name outside the documented pattern (``adapters/names.py``); ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self) -> tuple:  # survives pickling across the engine process's socket
+        return type(self), (str(self), self.param)
+
+
+class ForbiddenAdapterPath(AdapterError):
+    """An adapter file that resolves (after symlinks) outside the allowed roots, or is not a regular file
+    (a FIFO, a device, a directory): it is never opened."""
+
+    http_status = 403
+    error_type = "permission_error"
+
+
 class AdapterAlreadyLoaded(AdapterError):
     """``load_adapter`` with a name that is already registered."""
 

@@ -1,7 +1,15 @@
-"""The offline API: ``LLM(...).generate(prompts, SamplingParams, adapters=[...])``."""
+"""The offline API: ``LLM(...).generate(prompts, SamplingParams, adapters=[...])``.
+
+A frontend like the server's clients, driving the engine's ``step()`` itself: each prompt's adapter name
+is routed to a version once, first (``AdapterDirectory``), the prompt is tokenized with that version's
+tokenizer, every choice is queued in one ``Engine.add_requests`` call (token ids and version ids), and
+the engine's outputs go through the same ``OutputProcessor`` (detokenization, stop strings) as the
+server's; a stop string found there aborts its request in the engine before the next step.
+"""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import fields, replace
@@ -11,10 +19,14 @@ from typing import Any
 from tqdm import tqdm
 
 from loraplex.adapters.info import AdapterInfo
+from loraplex.client.directory import Version
+from loraplex.client.inproc import engine_directory, sync_directory
+from loraplex.client.output import OutputProcessor, RequestOutput
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
-from loraplex.engine.request import RequestOutput, SamplingParams
+from loraplex.engine.request import NewRequest, SamplingParams
 from loraplex.engine.stats import EngineStats
+from loraplex.errors import RequestError
 
 
 class LLM:
@@ -30,14 +42,17 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown LLM option(s) {unknown}; valid: {sorted(known)}")
         self.engine = Engine(EngineConfig(model=model, **kwargs))
+        self.directory = engine_directory(self.engine)
+        self._ids = itertools.count()
 
     @property
     def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
         return self.engine.tokenizer
 
-    def load_adapter(self, name: str, path: str | Path) -> AdapterInfo:
-        """Validate and register a PEFT adapter folder; raises ``loraplex.AdapterError`` subclasses."""
-        return self.engine.load_adapter(name, path)
+    def load_adapter(self, name: str, path: str | Path, new_version: bool = False) -> AdapterInfo:
+        """Validate and register a PEFT adapter folder; raises ``loraplex.AdapterError`` subclasses.
+        ``new_version``: a loaded ``name`` moves to the new version (requests in flight keep theirs)."""
+        return self.engine.load_adapter(name, path, new_version)
 
     def unload_adapter(self, name: str) -> None:
         self.engine.unload_adapter(name)
@@ -48,6 +63,15 @@ class LLM:
     def stats(self) -> EngineStats:
         """The engine's counters: queue, slots, KV blocks, adapter tiers, prefix-cache hits."""
         return self.engine.stats()
+
+    def current_version(self, adapter: str | None) -> Version:
+        """The version ``adapter`` serves now (its tokenizer and chat template included), without routing."""
+        sync_directory(self.directory, self.engine)
+        return self.directory.current(adapter)
+
+    def tokenize(self, prompt: str | list[int], adapter: str | None = None) -> list[int]:
+        """Token ids of ``prompt`` as ``adapter``'s requests see them now (its current version's tokenizer)."""
+        return _token_ids(prompt, self.current_version(adapter), self.engine.model_name)
 
     def generate(
         self,
@@ -63,25 +87,21 @@ class LLM:
         choice and ``outs[i].outputs`` holds all ``n`` (vLLM's shape; also filled for ``n == 1``)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        params = self._per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
-        names = self._per_prompt(adapters, len(prompts), "adapters")
-        for name in set(names) - {None}:
-            self.engine.adapters.resolve(name)
-        token_ids = [self.engine.tokenize(p, a) for p, a in zip(prompts, names, strict=True)]  # type: ignore[arg-type]
-        items = [(None, t, choice, a) for t, p, a in zip(token_ids, params, names, strict=True)
-                 for choice in p.choices()]
-        ids = self.engine.add_requests(items)  # validates every choice before queuing any
-        results: dict[str, RequestOutput] = {}
-        generated = 0
-        start = time.perf_counter()
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
-            while len(results) < len(ids):
-                for out in self.engine.step():
-                    generated += 1
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update()
-                bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - start, 1e-9):.1f}")
+        params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        names = _per_prompt(adapters, len(prompts), "adapters")
+        sync_directory(self.directory, self.engine)
+        versions = [self.directory.route(name) for name in names]  # once per prompt, first
+        processor = OutputProcessor()
+        items, ids = [], []
+        for prompt, p, version in zip(prompts, params, versions, strict=True):
+            token_ids = _token_ids(prompt, version, self.engine.model_name)  # type: ignore[arg-type]
+            for choice in p.choices():
+                request_id = f"gen-{next(self._ids)}"
+                processor.add(request_id, token_ids, choice, version.tokenizer, version.name)
+                items.append(NewRequest(request_id, token_ids, choice, version.version_id))
+                ids.append(request_id)
+        self.engine.add_requests(items)  # validates every choice before queuing any
+        results = self._run(processor, len(ids), use_tqdm)
         grouped, at = [], 0
         for p in params:
             choices = [replace(results[i], index=j) for j, i in enumerate(ids[at : at + p.n])]
@@ -89,11 +109,36 @@ class LLM:
             at += p.n
         return grouped
 
-    @staticmethod
-    def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
-        if value is None or isinstance(value, (str, SamplingParams)):
-            return [value] * n
-        values = list(value)
-        if len(values) != n:
-            raise ValueError(f"{name} has {len(values)} entries for {n} prompts")
-        return values
+    def _run(self, processor: OutputProcessor, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Step until ``total`` requests finished; their final outputs by id."""
+        results: dict[str, RequestOutput] = {}
+        generated, start = 0, time.perf_counter()
+        with tqdm(total=total, desc="generate", unit="req", disable=not use_tqdm or total < 2) as bar:
+            while len(results) < total:
+                outputs, stopped = processor.process(self.engine.step())
+                for request_id in stopped:
+                    self.engine.abort_request(request_id)
+                for out in outputs:
+                    generated += 1
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update()
+                bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - start, 1e-9):.1f}")
+        return results
+
+
+def _token_ids(prompt: str | list[int], version: Version, model_name: str) -> list[int]:
+    if not isinstance(prompt, str):
+        return list(prompt)
+    if version.tokenizer is None:
+        raise RequestError(f"model {model_name} has no tokenizer: pass token ids", "prompt")
+    return version.tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
+    if value is None or isinstance(value, (str, SamplingParams)):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} entries for {n} prompts")
+    return values

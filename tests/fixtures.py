@@ -114,11 +114,11 @@ _CONFIGS = {"llama": LlamaConfig, "llama3": LlamaConfig, "mistral": MistralConfi
 def tiny_config(arch: str = "llama", **overrides):
     """A small HF config: ``arch`` is "llama", "llama3" (rope scaling, untied), "mistral" (sliding
     window 8), "qwen2", "qwen3" (head_dim 32 != hidden / heads), "gemma3" (4 layers, local-local-global-
-    local, window 6, query_pre_attn_scalar 24), "gemma3capped" (that with soft-capping set: HF applies the final one only), "phi3"
-    (LongRoPE over 32 of 128 positions, untied), "gemma2"
-    (4 layers local-global, window 6, soft-capping 3 / 4), "granite" (every multiplier != 1), "smollm3"
-    (4 layers, NoPE in blocks 1 and 3), "phi4mini" (partial rotary 0.75 with LongRoPE, tied), "qwen3moe"
-    (8 experts, top 2, normalised) or "granitemoe" (8 experts, top 2, multipliers)."""
+    local, window 6, query_pre_attn_scalar 24), "gemma3capped" (that with soft-capping set: HF applies the
+    final one only), "phi3" (LongRoPE over 32 of 128 positions, untied), "gemma2" (4 layers local-global,
+    window 6, soft-capping 3 / 4), "granite" (every multiplier != 1), "smollm3" (4 layers, NoPE in blocks 1
+    and 3), "phi4mini" (partial rotary 0.75 with LongRoPE, tied), "qwen3moe" (8 experts, top 2, normalised)
+    or "granitemoe" (8 experts, top 2, multipliers)."""
     if arch not in _CONFIGS:
         raise ValueError(arch)
     return _CONFIGS[arch](**{**_COMMON, **_FAMILY[arch], **overrides})

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.fixtures import ALL_PROJECTIONS, PHI3_PROJECTIONS, projections_of
@@ -71,6 +71,13 @@ def resized_base(base: Path, vocab_size: int) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     model.resize_token_embeddings(vocab_size, mean_resizing=False)
     return model
+
+
+def peft_model(base: Path, adapter: Path | None, vocab_size: int | None = None) -> torch.nn.Module:
+    """A fresh reference model (PEFT's unload() does not restore a shared base after these formats)."""
+    model = (resized_base(base, vocab_size) if vocab_size
+             else AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32))
+    return (model if adapter is None else PeftModel.from_pretrained(model, str(adapter))).eval()
 
 
 def write_added_tokens_adapter(base: Path, folder: Path, layout: str, force_prompt: list[int], seed: int = 0,

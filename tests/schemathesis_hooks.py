@@ -17,7 +17,7 @@ import schemathesis
 from transformers import AutoTokenizer
 
 from loraplex.errors import RequestError
-from loraplex.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, render_chat
+from loraplex.server.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, render_chat
 
 MAX_MODEL_LEN = int(os.environ.get("LORAPLEX_TEST_MAX_MODEL_LEN", "64"))
 

@@ -16,11 +16,11 @@ import openai
 import uvicorn
 from fastapi import FastAPI
 
+from loraplex.client.base import EngineClient
+from loraplex.client.inproc import AsyncEngine
+from loraplex.client.process import EngineProcess
 from loraplex.config import EngineConfig
-from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.client import EngineClient
 from loraplex.engine.engine import Engine, EngineStats
-from loraplex.engine.process_client import EngineProcess
 from loraplex.server.app import create_app
 
 BASE = "tiny"  # the served name of the tiny base model

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from loraplex.adapters.manager import AdapterManager
-from loraplex.adapters.peft_format import AdapterWeights
+from loraplex.adapters.reading.peft_format import AdapterWeights
 from loraplex.config import ModelConfig
 
 
@@ -32,7 +32,7 @@ def test_snapshot_follows_loads_pins_evictions_and_unloads(tiny_llama: Path,
     manager = AdapterManager(ModelConfig.from_hf(tiny_llama), 2, 2, 16, NullWriter())
     assert manager.snapshot()["slots"] == [{"slot": 0, **EMPTY}, {"slot": 1, **EMPTY}]
     a, b, c = (manager.load(n, tiny_llama_adapters[n]) for n in ("r8_all", "r4_attn", "r2_qv"))  # ranks 8, 4, 2
-    assert (a.adapter_id, b.adapter_id, c.adapter_id) == (1, 2, 3)  # loading c pushed a out of host memory
+    assert (a.version_id, b.version_id, c.version_id) == (1, 2, 3)  # loading c pushed a out of host memory
     before = time.time()
     manager.acquire(2)  # slot 0 from host memory
     manager.acquire(2)  # a device hit: 2 pins

@@ -15,7 +15,7 @@ import pytest
 
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
-from loraplex.engine.request import SamplingParams
+from loraplex.engine.request import NewRequest, SamplingParams
 from loraplex.errors import QueueFull, RequestError
 from tests.server_harness import BASE, MODES, tiny_server, wait_until_idle
 
@@ -34,7 +34,7 @@ def test_the_bound_counts_waiting_requests_not_running_ones(tiny_llama: Path) ->
         engine.add_request("bad", [], params)
     engine.add_request("b", [5, 6, 7], params)  # waits
     with pytest.raises(QueueFull, match="--max-waiting-requests") as refused:
-        engine.add_requests([("c", [5], params, None)])
+        engine.add_requests([NewRequest("c", [5], params)])
     assert refused.value.retry_after == 1 and refused.value.http_status == 503
     copy = pickle.loads(pickle.dumps(refused.value))  # crosses the engine process's socket
     assert (type(copy), str(copy), copy.retry_after) == (QueueFull, str(refused.value), 1)
@@ -46,7 +46,7 @@ def test_the_bound_counts_waiting_requests_not_running_ones(tiny_llama: Path) ->
     while engine.has_unfinished_requests():
         finished |= {out.request_id for out in engine.step() if out.finished}
     assert finished == {"a", "b"}  # nothing refused was queued
-    engine.add_requests([("d", [5], params, None), ("e", [6], params, None)])  # idle again: seat + one waiting
+    engine.add_requests([NewRequest("d", [5], params), NewRequest("e", [6], params)])  # idle again: seat + one waiting
 
 
 @pytest.fixture(params=MODES)

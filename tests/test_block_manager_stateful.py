@@ -18,8 +18,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from loraplex.engine.block_hash import extend_chain
-from loraplex.engine.kv_cache import BlockManager
+from loraplex.engine.scheduler.block_hash import extend_chain
+from loraplex.engine.scheduler.block_manager import BlockManager
 
 BLOCK = 2
 NUM_BLOCKS = 10

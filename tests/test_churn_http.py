@@ -107,7 +107,7 @@ def test_churn_loses_no_accepted_request(mode: str, tiny_llama: Path, tiny_llama
         if srv.engine is not None:  # in-process: nothing of the unloaded versions is left
             adapters = srv.engine.adapters
             assert adapters.versions.in_flight == {} and sorted(adapters._infos) == sorted(
-                i.adapter_id for i in adapters.list())
+                i.version_id for i in adapters.list())
             assert adapters._failures == {} and adapters.drain_dropped() == []
     assert cycles >= 3, f"only {cycles} unload/reload cycles ran"
     assert set(outcomes) <= {"completed", "cut", "http 404"}, outcomes

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from loraplex import LLM, SamplingParams
-from loraplex.engine.detokenizer import IncrementalDetokenizer
+from loraplex.client.output import IncrementalDetokenizer
 
 TEXTS = ["Hello, world! Ünïcödé façade — 日本語のテキスト 🙂 done.", "  leading spaces\nnew line\ttab", "a"]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from loraplex import LLM, SamplingParams
-from loraplex.engine.request import RequestOutput
 from loraplex.errors import UnknownAdapter
+from tests.engine_harness import Progress, add, gather
 from tests.fixtures import write_peft_adapter
 
 NUM_ADAPTERS = 20
@@ -45,7 +45,8 @@ def test_churn(tiny_llama: Path, twenty: dict[str, Path]) -> None:
     loaded = set(names[:10])
     for name in loaded:
         llm.load_adapter(name, twenty[name])
-    results: dict[str, RequestOutput] = {}
+    results: dict[str, Progress] = {}
+    progress: dict[str, Progress] = {}
     rejected: set[str] = set()
     pending = [[r] for r in requests] + [burst]  # one batch of submissions per step
     requests += burst
@@ -56,7 +57,7 @@ def test_churn(tiny_llama: Path, twenty: dict[str, Path]) -> None:
         ready = bool(pending) and (pending[0] is not burst or not engine.has_unfinished_requests())
         for rid, prompt, params, adapter in pending.pop(0) if ready else ():
             try:
-                engine.add_request(rid, prompt, params, adapter)
+                add(engine, rid, prompt, params, adapter)
             except UnknownAdapter:
                 rejected.add(rid)  # clean refusal: the adapter is not loaded right now
         if step % 5 == 0:  # churn the registry while requests run
@@ -67,9 +68,8 @@ def test_churn(tiny_llama: Path, twenty: dict[str, Path]) -> None:
             elif name not in loaded:
                 llm.load_adapter(name, twenty[name])
                 loaded.add(name)
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out
+        gather(engine.step(), progress)
+        results.update((rid, p) for rid, p in progress.items() if p.finished)
         engine.adapters.check_integrity()
         assert step < 5000, "engine stopped making progress"
 

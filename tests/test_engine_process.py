@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from loraplex.client.process import EngineProcess
 from loraplex.config import EngineConfig
-from loraplex.engine.process_client import EngineProcess
 from loraplex.errors import AdapterNotFound, EngineUnavailable
 
 
@@ -34,8 +34,8 @@ def test_a_failed_start_raises_the_engine_error_and_leaves_nothing(tiny_llama: P
 HOLDER = """
 import asyncio, time
 from loraplex.config import EngineConfig
-from loraplex.engine.process_client import EngineProcess
-from loraplex.server.prepare import PrepareConfig, RequestPreparer
+from loraplex.client.process import EngineProcess
+from loraplex.server.prepare.preparer import PrepareConfig, RequestPreparer
 
 client = EngineProcess(EngineConfig(model={model!r}, kv_cache_blocks=16))
 client.start()

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from loraplex import LLM, SamplingParams
-from loraplex.engine.engine import Engine
-from loraplex.engine.request import RequestOutput
 from loraplex.ops.lora_batch import BatchMapping, LoRABatch, build_lora_batch
+from tests.engine_harness import Progress, add, gather, run_to_end
 from tests.fixtures import write_peft_adapter
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -44,30 +43,23 @@ def new_engine(tiny_llama: Path, abc: dict[str, Path]) -> LLM:
     return llm
 
 
-def run_to_end(engine: Engine, results: dict[str, RequestOutput]) -> None:
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            results[out.request_id] = out
-
-
 def test_runtime_load_mid_decode_keeps_every_request_on_its_adapter(
         tiny_llama: Path, abc: dict[str, Path], solo: dict[str, list[int]]) -> None:
     engine = new_engine(tiny_llama, abc).engine
-    engine.add_request("A", PROMPTS["A"], PARAMS, "A")
-    engine.add_request("B", PROMPTS["B"], PARAMS, "B")
-    results: dict[str, RequestOutput] = {}
+    add(engine, "A", PROMPTS["A"], PARAMS, "A")
+    add(engine, "B", PROMPTS["B"], PARAMS, "B")
+    results: dict[str, Progress] = {}
     for _ in range(5):
-        engine.step()
+        gather(engine.step(), results)
     table_before = list(engine.adapters.slot_table.slots)
     engine.load_adapter("C", abc["C"])  # out of band, while A and B decode in both slots
-    engine.add_request("C", PROMPTS["C"], SHORT, "C")
-    engine.add_request("A2", PROMPTS["A"], SHORT, "A")
+    add(engine, "C", PROMPTS["C"], SHORT, "C")
+    add(engine, "A2", PROMPTS["A"], SHORT, "A")
     # Activation attempts outside the batch are refused while both slots are pinned.
     c_id = engine.adapters.resolve("C")
     assert not engine.adapters.can_acquire(c_id)
     for _ in range(3):
-        for out in engine.step():
-            results[out.request_id] = out
+        gather(engine.step(), results)
         assert engine.adapters.slot_table.slots == table_before
     run_to_end(engine, results)
     assert {k: v.token_ids for k, v in results.items()} == solo
@@ -103,12 +95,11 @@ def test_stale_index_bug_would_be_caught(
     engine.config = type(engine.config)(**{**engine.config.__dict__, "debug_checks": debug_checks})
     llm.load_adapter("C", abc["C"])
     stale_memo(engine.adapters)
-    engine.add_request("A", PROMPTS["A"], PARAMS, "A")
-    engine.add_request("B", PROMPTS["B"], PARAMS, "B")
-    outputs: dict[str, RequestOutput] = {}
+    add(engine, "A", PROMPTS["A"], PARAMS, "A")
+    add(engine, "B", PROMPTS["B"], PARAMS, "B")
+    outputs: dict[str, Progress] = {}
     for _ in range(3):
-        for out in engine.step():
-            outputs[out.request_id] = out
+        gather(engine.step(), outputs)
     assert engine.adapters.slot_table.slots == [engine.adapters.resolve("A"), engine.adapters.resolve("B")]
     for name in ("C", "A", "B"):  # the seed's out-of-band activations: slot table becomes [B, A]
         engine.adapters.slot_table.acquire(engine.adapters.resolve(name))
@@ -120,7 +111,6 @@ def test_stale_index_bug_would_be_caught(
             engine.step()
         return
     for _ in range(8):
-        for out in engine.step():
-            outputs[out.request_id] = out
+        gather(engine.step(), outputs)
     got = {k: outputs[k].token_ids for k in "AB"}
     assert any(got[k] != solo[k][: len(got[k])] for k in "AB")

@@ -1,4 +1,4 @@
-"""Fair share per tenant (engine/fair_share.py), driven step by step without a model. Service is measured
+"""Fair share per tenant (engine/scheduler/fair_share.py), driven step by step without a model. Service is measured
 here from the scheduled batches (weighted tokens each step computes), independently of the counters."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from loraplex.engine.fair_share import FairShareWeights
 from loraplex.engine.request import Request, SamplingParams
-from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.scheduler.fair_share import FairShareWeights
+from loraplex.engine.scheduler.scheduler import Scheduler
 from tests.test_scheduler import make
 
 W = FairShareWeights()
@@ -28,7 +28,7 @@ def run_step(scheduler: Scheduler, service: dict[str | None, float]) -> list[Req
         prefill = max(0, min(s.start + s.num_tokens, prompt) - s.start)
         service[s.request.tenant] = (service.get(s.request.tenant, 0.0) + W.prefill * prefill
                                      + W.decode * (s.num_tokens - prefill))
-    scheduler.update(batch, [7] * sum(s.samples for s in batch))
+    scheduler.update(batch, [7] * sum(s.draws for s in batch))
     return [s.request for s in batch]
 
 

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from loraplex import LLM, SamplingParams
-from loraplex.adapters.peft_format import read_peft_adapter
+from loraplex.adapters.reading.peft_format import read_peft_adapter
 from loraplex.engine.invariants import keys_hold_all_kv_inputs
 from loraplex.errors import AdapterShapeMismatch, InvalidAdapter
 from loraplex.models.registry import model_config
@@ -130,7 +130,7 @@ def run_mixed_batch(base: Path, adapters: dict[str, Path], reference: Path, quan
     outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
                         adapters=chosen)
     stats = llm.engine.stats()
-    assert stats.device_evictions > 0, "3 adapters over 2 slots must rotate them"
+    assert stats.adapter_counters.device_evictions > 0, "3 adapters over 2 slots must rotate them"
     assert any(e.start_pos > 0 and len(e.token_ids) > 1 for entries, _ in steps for e in entries), "no chunk ran"
     if keys_hold_all_kv_inputs(llm.engine.model, llm.engine.max_model_len):  # off where LongRoPE switches
         assert stats.prefix_cache_hit_tokens > 0, "the shared prefixes were not served from the cache"

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from loraplex import LLM, SamplingParams
-from loraplex.adapters.peft_format import read_peft_adapter
+from loraplex.adapters.reading.peft_format import read_peft_adapter
 from loraplex.config import ExpertConfig
 from loraplex.errors import AdapterRankTooLarge, AdapterShapeMismatch, InvalidAdapter, ModelError, UnsupportedAdapter
 from loraplex.layers.moe import MoEExperts, route

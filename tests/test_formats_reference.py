@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM
 
 from loraplex import LLM, SamplingParams
 from tests.fixtures import write_peft_adapter, write_tiny_model
@@ -19,7 +17,7 @@ from tests.format_fixtures import (
     ADDED_TOKENS,
     FORMATS,
     format_config,
-    resized_base,
+    peft_model,
     write_added_tokens_adapter,
     write_format_adapter,
 )
@@ -27,13 +25,6 @@ from tests.reference import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 VOCAB = 512  # the format tests' tiny models: a small vocabulary keeps PEFT's reference fast
-
-
-def peft_model(base: Path, adapter: Path | None, vocab_size: int | None = None) -> torch.nn.Module:
-    """A fresh reference model (PEFT's unload() does not restore a shared base after these formats)."""
-    model = (resized_base(base, vocab_size) if vocab_size
-             else AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32))
-    return (model if adapter is None else PeftModel.from_pretrained(model, str(adapter))).eval()
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -105,14 +96,14 @@ def test_added_tokens_use_the_adapters_tokenizer(tiny_llama: Path, tmp_path: Pat
     text = f"Call {ADDED_TOKENS[0]} then"
     layouts = ("saved", "tokens", "lora")
     llm = LLM(model=str(tiny_llama), max_loras=2, kv_cache_blocks=64)
-    prompt = llm.engine.tokenize(text)  # the base tokenizer's ids of the same text
+    prompt = llm.tokenize(text)  # the base tokenizer's ids of the same text
     v = llm.engine.model_config.vocab_size
     folders = {layout: write_added_tokens_adapter(tiny_llama, tmp_path / layout, layout, prompt, seed=i,
                                                   chat_template=template) for i, layout in enumerate(layouts)}
     for layout, folder in folders.items():
         llm.load_adapter(layout, folder)
         assert llm.list_adapters()[-1].vocab_size == v + len(ADDED_TOKENS)
-    ids = llm.engine.tokenize(text, "saved")
+    ids = llm.tokenize(text, "saved")
     assert ids != prompt and any(t >= v for t in ids), "the adapter's tokenizer encodes its added token"
     outs = llm.generate([text] * 4, GREEDY, adapters=[*layouts, None], use_tqdm=False)
     for out, layout in zip(outs, layouts, strict=False):
@@ -122,5 +113,6 @@ def test_added_tokens_use_the_adapters_tokenizer(tiny_llama: Path, tmp_path: Pat
         assert any(t >= v for t in out.token_ids) and ADDED_TOKENS[0] in out.text, layout
     assert outs[3].token_ids == hf_greedy(peft_model(tiny_llama, None), prompt, GREEDY.max_tokens)[0]
     assert ADDED_TOKENS[0] not in outs[3].text
-    chat = llm.engine.tokenizer_for("tokens").apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
-    assert chat == "<|think|>hi\n" and llm.engine.tokenizer_for(None).chat_template != template
+    chat = llm.current_version("tokens").tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                                       tokenize=False)
+    assert chat == "<|think|>hi\n" and llm.current_version(None).tokenizer.chat_template != template

@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loraplex.config import ModelConfig
-from loraplex.engine.block_hash import ROOT, block_key, extend_chain, version_tag
-from loraplex.engine.kv_cache import BlockManager, KVCache
+from loraplex.engine.kv_cache import KVCache
+from loraplex.engine.scheduler.block_hash import ROOT, block_key, extend_chain, version_tag
+from loraplex.engine.scheduler.block_manager import BlockManager
 from tests.fixtures import tiny_config
 
 

@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from loraplex import LLM, SamplingParams
-from loraplex.engine.logits_processors import apply_logits_processors
+from loraplex.engine.sampling.logits_processors import apply_logits_processors
 from tests.reference import hf_model
 from tests.test_sampling import Row
 

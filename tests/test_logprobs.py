@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from loraplex import LLM, SamplingParams
-from loraplex.engine.logprobs import TokenLogprob
+from loraplex.engine.sampling.logprobs import TokenLogprob
 from tests.reference import hf_model
 
 ATOL = 1e-4

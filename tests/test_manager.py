@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from loraplex.adapters import manager as manager_module
 from loraplex.adapters.manager import AdapterManager
-from loraplex.adapters.peft_format import AdapterWeights, read_peft_adapter
+from loraplex.adapters.reading.peft_format import AdapterWeights, read_peft_adapter
 from loraplex.config import ModelConfig
 from loraplex.errors import AdapterAlreadyLoaded, AdapterContentChanged, UnknownAdapter
 from loraplex.layers.lora_linear import LoRALinear
@@ -84,10 +84,10 @@ def make_manager(mc: ModelConfig, max_loras: int, max_cpu_loras: int, writer=Non
     return AdapterManager(mc, max_loras, max_cpu_loras, 16, writer or RecordingWriter(max_loras))
 
 
-def activate(manager: AdapterManager, adapter_id: int) -> int:
+def activate(manager: AdapterManager, version_id: int) -> int:
     """An out-of-band activation: acquire and release at once."""
-    slot = manager.acquire(adapter_id)
-    manager.release(adapter_id)
+    slot = manager.acquire(version_id)
+    manager.release(version_id)
     manager.check_integrity()
     return slot
 
@@ -100,11 +100,11 @@ def test_seed_scenario(writer_kind: str, model_config: ModelConfig, tiny_llama_a
     """seed.md "The exact scenario": same mapping, rotated slots -> indices must follow the slots."""
     writer = RecordingWriter(2) if writer_kind == "recording" else LayerWriter(model_config, 2, 16)
     manager = make_manager(model_config, max_loras=2, max_cpu_loras=3, writer=writer)
-    ids = [manager.load(f"a{i + 1}", tiny_llama_adapters[n]).adapter_id for i, n in enumerate(SEED_ADAPTERS)]
+    ids = [manager.load(f"a{i + 1}", tiny_llama_adapters[n]).version_id for i, n in enumerate(SEED_ADAPTERS)]
     assert ids == [1, 2, 3]
     assert (manager.acquire(1), manager.acquire(2)) == (0, 1)  # the two in-flight requests pin them
     assert manager.slot_table.slots == [1, 2]
-    mapping = BatchMapping(token_adapter_ids=(1, 2))
+    mapping = BatchMapping(token_version_ids=(1, 2))
     first = manager.lora_batch(mapping)
     assert first.token_slots.tolist() == [0, 1]
     assert manager.lora_batch(mapping) is first  # unchanged layout: the memo serves it
@@ -141,12 +141,12 @@ def test_pinned_slots_block_a_runtime_activation(model_config: ModelConfig,
                                                   tiny_llama_adapters: dict[str, Path]) -> None:
     writer = RecordingWriter(2)
     manager = make_manager(model_config, max_loras=2, max_cpu_loras=4, writer=writer)
-    a = manager.load("a", tiny_llama_adapters["r8_all"]).adapter_id
-    b = manager.load("b", tiny_llama_adapters["r4_attn"]).adapter_id
+    a = manager.load("a", tiny_llama_adapters["r8_all"]).version_id
+    b = manager.load("b", tiny_llama_adapters["r4_attn"]).version_id
     manager.acquire(a)
     manager.acquire(b)
     before = (list(manager.slot_table.slots), manager.slot_table.version, list(writer.log))
-    c = manager.load("c", tiny_llama_adapters["r2_qv"]).adapter_id
+    c = manager.load("c", tiny_llama_adapters["r2_qv"]).version_id
     for _ in range(3):
         assert not manager.can_acquire(c)
         assert manager.try_acquire(c) is None
@@ -167,26 +167,26 @@ def test_versions_unload_and_reload(model_config: ModelConfig, tiny_llama_adapte
     old = manager.load("x", tiny_llama_adapters["r4_attn"])
     with pytest.raises(AdapterAlreadyLoaded, match="'x' is already loaded"):
         manager.load("x", tiny_llama_adapters["r2_qv"])
-    manager.acquire(old.adapter_id)  # a running request
+    manager.acquire(old.version_id)  # a running request
     manager.unload("x")
     with pytest.raises(UnknownAdapter):
         manager.resolve("x")
     with pytest.raises(UnknownAdapter):
         manager.unload("x")
-    assert manager.failure(old.adapter_id) is None  # pinned: still servable
-    mapping = BatchMapping((old.adapter_id,))
+    assert manager.failure(old.version_id) is None  # pinned: still servable
+    mapping = BatchMapping((old.version_id,))
     assert manager.lora_batch(mapping).token_slots.tolist() == [0]  # the running one keeps its slot
     new = manager.load("x", tiny_llama_adapters["r2_qv"])
-    assert new.adapter_id != old.adapter_id and manager.list() == [new]
-    assert manager.info(old.adapter_id) == old
+    assert new.version_id != old.version_id and manager.list() == [new]
+    assert manager.info(old.version_id) == old
     version = manager.slot_table.version
-    manager.release(old.adapter_id)  # the last pin: the old version is dropped, its slot cleared
+    manager.release(old.version_id)  # the last pin: the old version is dropped, its slot cleared
     assert manager.slot_table.slots == [None, None] and writer.slots == [None, None]
     assert manager.slot_table.version == version + 1
     with pytest.raises(UnknownAdapter):
-        manager.info(old.adapter_id)
-    assert isinstance(manager.failure(old.adapter_id), UnknownAdapter) and not manager.can_acquire(old.adapter_id)
-    assert manager.acquire(new.adapter_id) == 0 and writer.slots[0].path == new.path
+        manager.info(old.version_id)
+    assert isinstance(manager.failure(old.version_id), UnknownAdapter) and not manager.can_acquire(old.version_id)
+    assert manager.acquire(new.version_id) == 0 and writer.slots[0].path == new.path
     manager.check_integrity()
     manager.close()
 
@@ -200,17 +200,19 @@ def test_held_version_outlives_its_unload(model_config: ModelConfig, tiny_llama_
     folder = tmp_path / "x"
     shutil.copytree(tiny_llama_adapters["r4_attn"], folder)
     manager = make_manager(model_config, max_loras=1, max_cpu_loras=1)
-    v1 = manager.load("x", folder).adapter_id
-    assert [manager.hold("x").adapter_id for _ in range(2)] == [v1, v1]  # two accepted requests
+    v1 = manager.load("x", folder).version_id
+    assert [manager.hold(manager.resolve("x")).version_id for _ in range(2)] == [v1, v1]  # two accepted requests
     manager.unload("x")
     with pytest.raises(UnknownAdapter, match="no adapter named 'x'"):
-        manager.hold("x")
+        manager.resolve("x")  # a new request's frontend finds no version to route to
+    with pytest.raises(UnknownAdapter, match="no longer loaded"):
+        manager.hold(v1)  # and a request routed to it before the unload is refused
     assert manager.drain_dropped() == [] and manager.failure(v1) is None
     assert manager.acquire(v1) == 0  # the first request runs on it
     manager.release(v1)
     manager.release_hold(v1)
     manager.check_integrity()
-    other = manager.load("y", tiny_llama_adapters["r2_qv"]).adapter_id  # pushes v1 out of host memory and its slot
+    other = manager.load("y", tiny_llama_adapters["r2_qv"]).version_id  # pushes v1 out of host memory and its slot
     activate(manager, other)
     assert not manager.can_acquire(v1)  # cold: re-read in the background
     manager.wait_for_read(v1, timeout=30)
@@ -220,8 +222,8 @@ def test_held_version_outlives_its_unload(model_config: ModelConfig, tiny_llama_
     assert manager.drain_dropped() == [v1] and isinstance(manager.failure(v1), UnknownAdapter)
     assert v1 not in manager.host and manager.slot_table.slot_of.get(v1) is None
     manager.check_integrity()
-    v2 = manager.load("x", folder).adapter_id
-    assert manager.hold("x").adapter_id == v2
+    v2 = manager.load("x", folder).version_id
+    assert manager.hold(manager.resolve("x")).version_id == v2
     manager.unload("x")
     assert not manager.can_acquire(other)  # y left host memory when v2 was loaded: its re-read pushes v2 out ...
     manager.wait_for_read(other, timeout=30)
@@ -239,7 +241,7 @@ def test_held_version_outlives_its_unload(model_config: ModelConfig, tiny_llama_
 def test_lora_batch_requires_pins_and_skips_base_only(model_config: ModelConfig,
                                                       tiny_llama_adapters: dict[str, Path]) -> None:
     manager = make_manager(model_config, max_loras=2, max_cpu_loras=2)
-    a = manager.load("a", tiny_llama_adapters["r4_attn"]).adapter_id
+    a = manager.load("a", tiny_llama_adapters["r4_attn"]).version_id
     assert manager.lora_batch(BatchMapping((None, None))) is None
     activate(manager, a)  # resident but unpinned
     with pytest.raises(RuntimeError, match=f"adapter {a} is in the batch mapping but holds no pin"):
@@ -262,31 +264,31 @@ def test_host_tier_rereads_evicted_adapters(model_config: ModelConfig, tiny_llam
     a = manager.load("a", folder)
     b = manager.load("b", tiny_llama_adapters["r2_qv"])
     assert manager.counters()["host_evictions"] == 1
-    assert not manager.can_acquire(a.adapter_id)  # cold: a background re-read starts
-    manager.wait_for_read(a.adapter_id, timeout=30)
-    assert manager.can_acquire(a.adapter_id) and manager.acquire(a.adapter_id) == 0
+    assert not manager.can_acquire(a.version_id)  # cold: a background re-read starts
+    manager.wait_for_read(a.version_id, timeout=30)
+    assert manager.can_acquire(a.version_id) and manager.acquire(a.version_id) == 0
     assert writer.slots[0].content_hash == a.content_hash
     assert manager.counters()["disk_reads"] == 1 and manager.counters()["host_evictions"] == 2
-    manager.release(a.adapter_id)
+    manager.release(a.version_id)
 
     tensors = load_file(folder / "adapter_model.safetensors")  # the files change behind our back
     save_file({k: v * 2 for k, v in tensors.items()}, folder / "adapter_model.safetensors")
-    assert not manager.can_acquire(b.adapter_id)  # b was pushed out of host memory by a's re-read
-    manager.wait_for_read(b.adapter_id, timeout=30)  # ... and its re-read now pushes a out
-    assert manager.acquire(b.adapter_id) == 0  # and takes a's slot
+    assert not manager.can_acquire(b.version_id)  # b was pushed out of host memory by a's re-read
+    manager.wait_for_read(b.version_id, timeout=30)  # ... and its re-read now pushes a out
+    assert manager.acquire(b.version_id) == 0  # and takes a's slot
     assert manager.counters()["disk_reads"] == 2 and manager.counters()["host_evictions"] == 3
-    manager.release(b.adapter_id)
-    assert not manager.can_acquire(a.adapter_id)
-    manager.wait_for_read(a.adapter_id, timeout=30)
-    error = manager.failure(a.adapter_id)
+    manager.release(b.version_id)
+    assert not manager.can_acquire(a.version_id)
+    manager.wait_for_read(a.version_id, timeout=30)
+    error = manager.failure(a.version_id)
     assert isinstance(error, AdapterContentChanged)
     assert str(folder) in str(error) and "changed on disk" in str(error)
-    assert not manager.can_acquire(a.adapter_id)
+    assert not manager.can_acquire(a.version_id)
     with pytest.raises(AdapterContentChanged):
-        manager.acquire(a.adapter_id)
-    assert manager.failure(b.adapter_id) is None  # the failure stays local
+        manager.acquire(a.version_id)
+    assert manager.failure(b.version_id) is None  # the failure stays local
     fresh = manager.load("a2", folder)  # loading again makes a new, servable version
-    assert fresh.content_hash != a.content_hash and manager.acquire(fresh.adapter_id) == 0
+    assert fresh.content_hash != a.content_hash and manager.acquire(fresh.version_id) == 0
     manager.check_integrity()
     manager.close()
 
@@ -304,7 +306,7 @@ def test_file_io_never_holds_the_lock(model_config: ModelConfig, tiny_llama_adap
         return read_peft_adapter(*args, **kwargs)
 
     monkeypatch.setattr(manager_module, "read_peft_adapter", read_and_probe)
-    a = manager.load("a", tiny_llama_adapters["r4_attn"]).adapter_id  # the caller's thread
+    a = manager.load("a", tiny_llama_adapters["r4_attn"]).version_id  # the caller's thread
     manager.load("b", tiny_llama_adapters["r2_qv"])
     assert not manager.can_acquire(a)
     manager.wait_for_read(a, timeout=30)  # the background reader's thread
@@ -320,7 +322,7 @@ def test_failed_slot_write_rolls_back(model_config: ModelConfig, tiny_llama_adap
 
     writer = FailingWriter(1)
     manager = make_manager(model_config, max_loras=1, max_cpu_loras=2, writer=writer)
-    a = manager.load("a", tiny_llama_adapters["r4_attn"]).adapter_id
+    a = manager.load("a", tiny_llama_adapters["r4_attn"]).version_id
     with pytest.raises(MemoryError):
         manager.acquire(a)
     assert manager.slot_table.slots == [None] and manager.slot_table.pins(a) == 0

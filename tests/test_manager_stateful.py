@@ -57,23 +57,23 @@ class ReferenceSlots:
         unpinned = [s for s in self.lru if self.pins.get(self.slots[s], 0) == 0]
         return (free + unpinned + [None])[0]
 
-    def acquire(self, adapter_id: int) -> int:
-        if adapter_id in self.slots:
-            slot = self.slots.index(adapter_id)
+    def acquire(self, version_id: int) -> int:
+        if version_id in self.slots:
+            slot = self.slots.index(version_id)
             self.lru.remove(slot)
         else:
             slot = self.victim()
             if self.slots[slot] is not None:
                 self.lru.remove(slot)
-            self.slots[slot] = adapter_id
+            self.slots[slot] = version_id
             self.version += 1
         self.lru.append(slot)
-        self.pins[adapter_id] = self.pins.get(adapter_id, 0) + 1
+        self.pins[version_id] = self.pins.get(version_id, 0) + 1
         return slot
 
-    def clear(self, adapter_id: int) -> None:
-        if adapter_id in self.slots:
-            slot = self.slots.index(adapter_id)
+    def clear(self, version_id: int) -> None:
+        if version_id in self.slots:
+            slot = self.slots.index(version_id)
             self.slots[slot] = None
             self.lru.remove(slot)
             self.version += 1
@@ -105,8 +105,8 @@ def test_manager_against_reference_model(format_folders: tuple[Path, dict[str, s
         def pinned_ids(self) -> list[int]:
             return sorted(a for a, n in self.ref.pins.items() if n > 0)
 
-        def in_use(self, adapter_id: int) -> bool:
-            return bool(self.ref.pins.get(adapter_id, 0) or self.holds.get(adapter_id, 0))
+        def in_use(self, version_id: int) -> bool:
+            return bool(self.ref.pins.get(version_id, 0) or self.holds.get(version_id, 0))
 
         def held_bytes(self) -> int:
             """Saved rows of live versions and of unloaded ones still pinned or held by requests."""
@@ -125,10 +125,10 @@ def test_manager_against_reference_model(format_folders: tuple[Path, dict[str, s
                     self.manager.load(name, folders[folder])
                 return
             info = self.manager.load(name, folders[folder])
-            assert info.adapter_id == self.next_id and info.name == name
+            assert info.version_id == self.next_id and info.name == name
             assert (info.uses_dora, info.saved_bytes) == KINDS[folder]
-            self.live[name], self.folder_of[info.adapter_id] = info.adapter_id, folders[folder]
-            self.kind_of[info.adapter_id] = folder
+            self.live[name], self.folder_of[info.version_id] = info.version_id, folders[folder]
+            self.kind_of[info.version_id] = folder
             self.next_id += 1
 
         @rule(name=st.sampled_from(names))
@@ -138,53 +138,56 @@ def test_manager_against_reference_model(format_folders: tuple[Path, dict[str, s
                     self.manager.unload(name)
                 return
             self.manager.unload(name)
-            adapter_id = self.live.pop(name)
-            self.retired.add(adapter_id)
-            if not self.in_use(adapter_id):
-                self.ref.clear(adapter_id)
+            version_id = self.live.pop(name)
+            self.retired.add(version_id)
+            if not self.in_use(version_id):
+                self.ref.clear(version_id)
 
         @rule(name=st.sampled_from(names))
         def hold(self, name: str) -> None:
             """A request of ``name`` is accepted: it holds the version the name serves now."""
+            for retired in self.retired:  # a request routed before its version left is refused
+                with pytest.raises(UnknownAdapter):
+                    self.manager.hold(retired)
             if name not in self.live:
                 with pytest.raises(UnknownAdapter):
-                    self.manager.hold(name)
+                    self.manager.resolve(name)
                 return
-            assert self.manager.hold(name).adapter_id == self.live[name]
+            assert self.manager.hold(self.manager.resolve(name)).version_id == self.live[name]
             self.holds[self.live[name]] = self.holds.get(self.live[name], 0) + 1
 
         @precondition(lambda self: any(self.holds.values()))
         @rule(data=st.data())
         def release_hold(self, data: st.DataObject) -> None:
-            adapter_id = data.draw(st.sampled_from(sorted(a for a, n in self.holds.items() if n)))
-            self.manager.release_hold(adapter_id)
-            self.holds[adapter_id] -= 1
-            if adapter_id in self.retired and not self.in_use(adapter_id):
+            version_id = data.draw(st.sampled_from(sorted(a for a, n in self.holds.items() if n)))
+            self.manager.release_hold(version_id)
+            self.holds[version_id] -= 1
+            if version_id in self.retired and not self.in_use(version_id):
                 event("release_hold: the last request of an unloaded version drops it")
-                self.ref.clear(adapter_id)
+                self.ref.clear(version_id)
 
-        def _acquire(self, adapter_id: int) -> bool:
-            if adapter_id in self.retired and not self.in_use(adapter_id):
-                assert isinstance(self.manager.failure(adapter_id), UnknownAdapter)
-                assert not self.manager.can_acquire(adapter_id)
+        def _acquire(self, version_id: int) -> bool:
+            if version_id in self.retired and not self.in_use(version_id):
+                assert isinstance(self.manager.failure(version_id), UnknownAdapter)
+                assert not self.manager.can_acquire(version_id)
                 return False
-            expected = adapter_id in self.ref.slots or self.ref.victim() is not None
-            ok = self.manager.can_acquire(adapter_id)
-            event("acquire: " + ("must wait, all slots pinned" if not expected else "resident" if adapter_id
+            expected = version_id in self.ref.slots or self.ref.victim() is not None
+            ok = self.manager.can_acquire(version_id)
+            event("acquire: " + ("must wait, all slots pinned" if not expected else "resident" if version_id
                                  in self.ref.slots else "cold, re-read" if not ok else "in host memory"))
             if not ok and expected:  # cold in host memory: wait for the background re-read
-                self.manager.wait_for_read(adapter_id, timeout=30)
-                ok = self.manager.can_acquire(adapter_id)
+                self.manager.wait_for_read(version_id, timeout=30)
+                ok = self.manager.can_acquire(version_id)
             assert ok == expected
             if ok:
-                assert self.manager.acquire(adapter_id) == self.ref.acquire(adapter_id)
+                assert self.manager.acquire(version_id) == self.ref.acquire(version_id)
             return ok
 
-        def _release(self, adapter_id: int) -> None:
-            self.manager.release(adapter_id)
-            self.ref.pins[adapter_id] -= 1
-            if adapter_id in self.retired and not self.in_use(adapter_id):
-                self.ref.clear(adapter_id)
+        def _release(self, version_id: int) -> None:
+            self.manager.release(version_id)
+            self.ref.pins[version_id] -= 1
+            if version_id in self.retired and not self.in_use(version_id):
+                self.ref.clear(version_id)
 
         @precondition(lambda self: self.known_ids())
         @rule(data=st.data())
@@ -199,9 +202,9 @@ def test_manager_against_reference_model(format_folders: tuple[Path, dict[str, s
         @precondition(lambda self: self.live)
         @rule(data=st.data())
         def activate(self, data: st.DataObject) -> None:
-            adapter_id = data.draw(st.sampled_from(sorted(self.live.values())))
-            if self._acquire(adapter_id):
-                self._release(adapter_id)
+            version_id = data.draw(st.sampled_from(sorted(self.live.values())))
+            if self._acquire(version_id):
+                self._release(version_id)
 
         @rule(data=st.data())
         def build_indices(self, data: st.DataObject) -> None:
@@ -218,7 +221,7 @@ def test_manager_against_reference_model(format_folders: tuple[Path, dict[str, s
 
         def check_batch(self, mapping: BatchMapping, batch: LoRABatch) -> None:
             slot = {a: self.ref.slots.index(a) for a in self.pinned_ids()}
-            assert batch.token_slots.tolist() == [-1 if a is None else slot[a] for a in mapping.token_adapter_ids]
+            assert batch.token_slots.tolist() == [-1 if a is None else slot[a] for a in mapping.token_version_ids]
             assert batch.slot_version == self.ref.version
 
         @invariant()
@@ -226,12 +229,12 @@ def test_manager_against_reference_model(format_folders: tuple[Path, dict[str, s
             self.manager.check_integrity()
             assert self.manager.slot_table.slots == self.ref.slots  # pinned ids never move
             assert self.manager.slot_table.version == self.ref.version  # every slot write bumps it
-            for slot, adapter_id in enumerate(self.ref.slots):  # invariant 1: the writer got the right weights
+            for slot, version_id in enumerate(self.ref.slots):  # invariant 1: the writer got the right weights
                 written = self.writer.slots[slot]
-                assert (written.path if written else None) == self.folder_of.get(adapter_id)
+                assert (written.path if written else None) == self.folder_of.get(version_id)
                 assert written is None or written.prepared  # folded at load, never in a step
             assert self.manager.budget.used == self.held_bytes()
-            if self.last is not None and all(self.ref.pins.get(a, 0) for a in self.last[0].token_adapter_ids
+            if self.last is not None and all(self.ref.pins.get(a, 0) for a in self.last[0].token_version_ids
                                              if a is not None):
                 mapping, batch = self.last  # invariant 3: indices follow the version, never a stale memo
                 fresh = self.manager.lora_batch(mapping)
@@ -249,7 +252,7 @@ def test_manager_against_reference_model(format_folders: tuple[Path, dict[str, s
 def test_concurrent_loads_while_the_step_loop_runs(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> None:
     """An API thread loads and unloads while the step thread acquires, builds indices and releases."""
     manager = make_manager(ModelConfig.from_hf(tiny_llama), max_loras=2, max_cpu_loras=2)
-    stable = manager.load("stable", tiny_llama_adapters["r2_qv"]).adapter_id
+    stable = manager.load("stable", tiny_llama_adapters["r2_qv"]).version_id
     folders = list(tiny_llama_adapters.values())
     errors: list[BaseException] = []
 
@@ -267,18 +270,18 @@ def test_concurrent_loads_while_the_step_loop_runs(tiny_llama: Path, tiny_llama_
     steps = 0
     while thread.is_alive() or steps < 20:
         held = {}
-        for adapter_id in {stable, manager.list()[-1].adapter_id}:  # the newest may be unloaded any time
-            slot = manager.try_acquire(adapter_id)
+        for version_id in {stable, manager.list()[-1].version_id}:  # the newest may be unloaded any time
+            slot = manager.try_acquire(version_id)
             if slot is not None:
-                held[adapter_id] = slot
-            elif manager.failure(adapter_id) is None:
-                manager.wait_for_read(adapter_id, timeout=30)
+                held[version_id] = slot
+            elif manager.failure(version_id) is None:
+                manager.wait_for_read(version_id, timeout=30)
         ids = tuple(held)
         batch = manager.lora_batch(BatchMapping((*ids, None)))
         assert ids == () or batch.token_slots.tolist() == [*held.values(), -1]
         assert all(manager.slot_owner(s) == a for a, s in held.items())
-        for adapter_id in ids:
-            manager.release(adapter_id)
+        for version_id in ids:
+            manager.release(version_id)
         manager.check_integrity()
         steps += 1
     thread.join()

@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loraplex.client.inproc import AsyncEngine
 from loraplex.config import EngineConfig
-from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import Engine
-from loraplex.engine.sampling_params import MAX_LOGPROBS, MAX_N, TEMPERATURE_MAX
+from loraplex.engine.sampling.params import MAX_LOGPROBS, MAX_N, TEMPERATURE_MAX
 from loraplex.server.app import create_app
 from tests.fixtures import write_tiny_model
 from tests.server_harness import BASE, running_server

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from loraplex.adapters.manager import AdapterManager
-from loraplex.adapters.peft_format import AdapterWeights, read_peft_adapter
+from loraplex.adapters.reading.peft_format import AdapterWeights, read_peft_adapter
 from loraplex.config import ModelConfig
 from loraplex.errors import (
     AdapterNotFound,
@@ -205,11 +205,14 @@ BAD = {
                             ["no adapter_model.safetensors"]),
     "corrupt_safetensors": ("r4_attn", None, None,
                             lambda f: (f / "adapter_model.safetensors").write_bytes(b"\x08garbage"), 16,
-                            InvalidAdapter, ["cannot read adapter_model.safetensors"]),
+                            InvalidAdapter, ["adapter_model.safetensors: header length", "runs past the end of the "
+                                             "file (8 bytes)"]),
 }
 
 
-class _NullWriter:
+class NullWriter:
+    """A slot writer that writes nothing (the manager without a model)."""
+
     def prepare(self, weights: AdapterWeights) -> AdapterWeights:
         return weights
 
@@ -228,9 +231,9 @@ def test_bad_adapter_fails_alone(case: str, tiny_llama: Path, tiny_llama_adapter
     if edit is not None:
         edit(folder)
     manager = AdapterManager(ModelConfig.from_hf(tiny_llama), max_loras=2, max_cpu_loras=2,
-                             max_lora_rank=max_rank, writer=_NullWriter())
+                             max_lora_rank=max_rank, writer=NullWriter())
     good = manager.load("good", tiny_llama_adapters["r2_qv"])
-    manager.acquire(good.adapter_id)
+    manager.acquire(good.version_id)
     before = (manager.list(), list(manager.slot_table.slots), manager.slot_table.version, manager.counters())
     with pytest.raises(error) as info:
         manager.load("bad", folder)

@@ -11,18 +11,13 @@ from pathlib import Path
 
 import pytest
 
-import loraplex.engine.scheduler as scheduler_module
+import loraplex.engine.scheduler.scheduler as scheduler_module
 from loraplex.engine.engine import Engine
-from loraplex.engine.request import RequestOutput, SamplingParams
+from loraplex.engine.request import SamplingParams
 from loraplex.errors import EngineStepFailed
 from loraplex.server.metrics import ServerMetrics
+from tests.engine_harness import Progress, add, gather, run_to_end
 from tests.test_prefix_cache import PARAMS, make_llm, words
-
-
-def run_to_end(engine: Engine, results: dict[str, RequestOutput]) -> None:
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            results[out.request_id] = out
 
 
 def poison(engine: Engine) -> None:
@@ -42,9 +37,9 @@ def test_same_step_siblings_share_the_prompt_blocks(tiny_llama: Path, tiny_llama
     for caching in (True, False):
         engine = make_llm(tiny_llama, caching, tiny_llama_adapters).engine
         poison(engine)
-        ids = [engine.add_request(None, p, PARAMS, a) for p, a in requests]
-        outputs = {out.request_id: out for out in engine.step()}
-        assert len(outputs) == 6, "every request is admitted and samples in the first step"
+        ids = [add(engine, None, p, PARAMS, a) for p, a in requests]
+        outputs: dict[str, Progress] = {}
+        assert len(gather(engine.step(), outputs)) == 6, "every request is admitted and samples in the first step"
         if caching:
             tables = {r.request_id: r.block_table for r in engine.scheduler.running}
             t = [tables[i] for i in ids]
@@ -74,8 +69,8 @@ def test_a_failed_step_forgets_its_keys(tiny_llama: Path, monkeypatch: pytest.Mo
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(engine.runner, "execute", failing_execute)
-    engine.add_request("a", prompt, PARAMS)
-    engine.add_request("b", prompt, PARAMS)  # shares a's blocks keyed in the failing step
+    add(engine, "a", prompt, PARAMS)
+    add(engine, "b", prompt, PARAMS)  # shares a's blocks keyed in the failing step
     failed = engine.step()
     assert [(o.request_id, o.finish_reason, type(o.error)) for o in failed] == [
         ("a", "error", EngineStepFailed), ("b", "error", EngineStepFailed)]
@@ -83,9 +78,9 @@ def test_a_failed_step_forgets_its_keys(tiny_llama: Path, monkeypatch: pytest.Mo
     assert engine.allocator.num_cached == 0 and engine.allocator.num_free == engine.allocator.num_total
     assert not engine.scheduler.waiting and not engine.scheduler.running
     monkeypatch.setattr(engine.runner, "execute", real_execute)
-    engine.add_request("a2", prompt, PARAMS)
-    engine.add_request("b2", prompt, PARAMS)
-    results: dict[str, RequestOutput] = {}
+    add(engine, "a2", prompt, PARAMS)
+    add(engine, "b2", prompt, PARAMS)
+    results: dict[str, Progress] = {}
     run_to_end(engine, results)
     assert results["a2"].token_ids == results["b2"].token_ids == reference
 
@@ -125,8 +120,8 @@ def test_a_key_without_the_version_would_be_caught(tiny_llama: Path, tiny_llama_
     llm = make_llm(tiny_llama, True, {"a": tiny_llama_adapters["r8_all"]}, debug_checks=debug_checks)
     real_chain = scheduler_module.extend_chain
 
-    def mutated_chain(keys: list[bytes], tokens: list[int], adapter_id: int | None, block_size: int) -> list[bytes]:
-        name = llm.engine.adapters.info(adapter_id).name if adapter_id is not None else None
+    def mutated_chain(keys: list[bytes], tokens: list[int], version_id: int | None, block_size: int) -> list[bytes]:
+        name = llm.engine.adapters.info(version_id).name if version_id is not None else None
         stand_in = None if keyed_on == "nothing" or name is None else zlib.crc32(name.encode())
         return real_chain(keys, tokens, stand_in, block_size)
 
@@ -134,7 +129,7 @@ def test_a_key_without_the_version_would_be_caught(tiny_llama: Path, tiny_llama_
     llm.generate([prompt], PARAMS, adapters=["a"], use_tqdm=False)
     if keyed_on == "name":  # the name now holds other weights (the reference's), while the old version's
         # blocks stay cached: a request of it still runs (a dropped version's blocks are freed at once)
-        llm.engine.add_request("old", prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True), "a")
+        add(llm.engine, "old", prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True), "a")
         llm.engine.step()
         llm.unload_adapter("a")
         llm.load_adapter("a", tiny_llama_adapters["r2_qv"])

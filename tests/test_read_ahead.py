@@ -29,7 +29,7 @@ def test_window_is_the_first_unplaced_distinct_ids_in_order() -> None:
 
 def test_manager_reads_only_the_window(model_config, tiny_llama_adapters: dict[str, Path]) -> None:  # noqa: F811
     manager = make_manager(model_config, max_loras=1, max_cpu_loras=2)  # read-ahead depth 1
-    ids = [manager.load(name, tiny_llama_adapters[name]).adapter_id for name in ("r4_attn", "r2_qv", "r8_all")]
+    ids = [manager.load(name, tiny_llama_adapters[name]).version_id for name in ("r4_attn", "r2_qv", "r8_all")]
     cold = ids[0]  # pushed out of host memory by the third load
     assert cold not in manager.host
     manager.read_ahead([ids[1], cold])  # ids[1] is in host memory: the window holds it, nothing to read

@@ -12,13 +12,15 @@ import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from loraplex.client.tokenizers import VersionTokenizers
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
+from loraplex.engine.request import check_context_length
 from loraplex.errors import RequestError
 from loraplex.server.app import create_app
 from loraplex.server.limits import MAX_STOP_STRINGS, default_max_request_bytes
-from loraplex.server.prepare_worker import PrepareConfig, PrepareWorker
-from loraplex.server.prompt_bound import PromptBound
+from loraplex.server.prepare.prompt_bound import PromptBound
+from loraplex.server.prepare.worker import PrepareConfig, PrepareWorker
 from tests.server_harness import running_server
 
 LIMIT = 20_000
@@ -119,15 +121,16 @@ class CountingTokenizer:
 
 def test_a_prompt_too_long_by_its_characters_is_never_tokenized(smol_tokenizer: PreTrainedTokenizerFast) -> None:
     counting = CountingTokenizer(smol_tokenizer)
-    worker = PrepareWorker(PrepareConfig(None, max_model_len=512), lambda _table, _adapter: counting)
+    worker = PrepareWorker(PrepareConfig(None, max_model_len=512), VersionTokenizers(counting))
     bound = worker.bound(counting)
     assert bound is not None
     limit_chars = 512 * bound.chars_per_token
     with pytest.raises(RequestError) as info:
         worker.token_ids(counting, "word " * limit_chars, reserve=16, param="prompt")
     assert info.value.param == "prompt" and "at least" in str(info.value) and counting.encodes == 0
-    with pytest.raises(RequestError) as info:  # under the bound: tokenized, then refused by its real count
-        worker.token_ids(counting, "word " * 600, reserve=16, param="messages")
-    assert info.value.param == "messages" and counting.encodes == 1
+    ids = worker.token_ids(counting, "word " * 600, reserve=16, param="messages")  # under the bound: tokenized
+    assert counting.encodes == 1  # (the engine refuses it by its real count at submission)
+    with pytest.raises(RequestError, match="exceeds the maximum context length"):
+        check_context_length(len(ids), 16, 512)
     assert worker.token_ids(counting, "word " * 10, reserve=16, param="prompt") == smol_tokenizer.encode(
         "word " * 10, add_special_tokens=False)

@@ -10,7 +10,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from loraplex.adapters.peft_format import read_peft_adapter
+from loraplex.adapters.reading.peft_format import read_peft_adapter
 from loraplex.config import ModelConfig
 from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.runner import ModelRunner, StepEntry, prepare_step

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from loraplex import LLM, RequestError, SamplingParams
-from loraplex.engine.logits_processors import ProcessorState
-from loraplex.engine.sampling import sample
+from loraplex.engine.sampling.logits_processors import ProcessorState
+from loraplex.engine.sampling.sampler import sample
 
 
 @dataclass

@@ -61,7 +61,7 @@ def test_pinned_unloaded_version_holds_its_rows_until_release(folders: dict[str,
     cfg = model_config(folders["base"])
     model = load_model(folders["base"], cfg, 2, 8, torch.float32, "cpu")
     manager = AdapterManager(cfg, 2, 2, 8, writer=model, saved_rows_budget=SAVED)
-    first = manager.load("saved", folders["saved"]).adapter_id
+    first = manager.load("saved", folders["saved"]).version_id
     manager.acquire(first)
     manager.unload("saved")
     with pytest.raises(AdapterMemoryBudgetExceeded):
@@ -76,7 +76,7 @@ def test_saved_rows_stay_in_host_memory(folders: dict[str, Path]) -> None:
     """One host entry: plain adapters evict each other and are re-read; the saved one never is."""
     llm = LLM(model=str(folders["base"]), max_loras=1, max_cpu_loras=1, kv_cache_blocks=32)
     manager = llm.engine.adapters
-    saved = llm.load_adapter("saved", folders["saved"]).adapter_id
+    saved = llm.load_adapter("saved", folders["saved"]).version_id
     for name in ("plain1", "plain2"):
         llm.load_adapter(name, folders[name])
     assert manager.host.contains(saved) and manager.counters()["host_evictions"] == 1

@@ -8,9 +8,9 @@ from collections.abc import Iterable
 
 from loraplex.adapters.slots import SlotTable
 from loraplex.config import EngineConfig
-from loraplex.engine.kv_cache import BlockManager
 from loraplex.engine.request import Request, SamplingParams
-from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.scheduler.block_manager import BlockManager
+from loraplex.engine.scheduler.scheduler import Scheduler
 
 
 class Slots:
@@ -24,14 +24,14 @@ class Slots:
     def read_ahead(self, wanted: Iterable[int]) -> None:
         self.wanted.append(list(wanted))
 
-    def try_acquire(self, adapter_id: int) -> int | None:
-        return self.table.acquire(adapter_id).slot if self.table.can_acquire(adapter_id) else None
+    def try_acquire(self, version_id: int) -> int | None:
+        return self.table.acquire(version_id).slot if self.table.can_acquire(version_id) else None
 
-    def release(self, adapter_id: int) -> None:
-        self.table.release(adapter_id)
+    def release(self, version_id: int) -> None:
+        self.table.release(version_id)
 
-    def resident(self, adapter_id: int) -> bool:
-        return adapter_id in self.table.slot_of
+    def resident(self, version_id: int) -> bool:
+        return version_id in self.table.slot_of
 
 
 def make(max_loras: int, max_num_seqs: int, max_skip_steps: int = 64, blocks: int = 4096) -> tuple[Scheduler, Slots]:
@@ -49,7 +49,7 @@ def request(i: int, adapter: int | None, max_tokens: int = 8, prompt: int = 5) -
 def step(scheduler: Scheduler) -> list[Request]:
     """One simulated engine step; returns the requests scheduled in it."""
     batch = scheduler.schedule()
-    scheduler.update(batch, [7] * sum(s.samples for s in batch))
+    scheduler.update(batch, [7] * sum(s.draws for s in batch))
     return [s.request for s in batch]
 
 
@@ -162,7 +162,7 @@ def test_update_finishes_at_each_stop_condition() -> None:
     for r in reqs:
         scheduler.add(r)
     batch = scheduler.schedule()
-    assert [s.request for s in batch] == reqs and all(s.samples for s in batch)
+    assert [s.request for s in batch] == reqs and all(s.prompt_complete for s in batch)
     assert scheduler.update(batch, [9, 2, 2, 4, 4]) == reqs
     assert (stop_id.finish_reason, eos.finish_reason) == ("stop", "stop")
     assert not no_eos.finished and not length.finished and not context.finished

@@ -66,7 +66,7 @@ def test_completion_streamed_and_not_equal_offline(server: Server, offline: LLM,
     assert full.choices[0].text == text
     assert full.choices[0].finish_reason == finish
     assert full.usage.completion_tokens == n_tokens
-    assert full.usage.prompt_tokens == len(offline.engine.tokenize(PROMPT))
+    assert full.usage.prompt_tokens == len(offline.tokenize(PROMPT))
     assert full.usage.total_tokens == full.usage.prompt_tokens + n_tokens
     assert full.model == model and full.object == "text_completion"
     chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
@@ -221,7 +221,7 @@ def test_chat_renders_the_adapters_own_template(server: Server, offline: LLM,
     r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "templated", "lora_path": str(folder)})
     assert r.status_code == 200, r.text
     try:
-        text = offline.engine.tokenizer_for("templated").apply_chat_template(MESSAGES, tokenize=False)
+        text = offline.current_version("templated").tokenizer.apply_chat_template(MESSAGES, tokenize=False)
         assert text.startswith("[system] You are terse.")
         ids = offline.tokenizer(text, add_special_tokens=False)["input_ids"]
         full = server.client().chat.completions.create(model="templated", messages=MESSAGES, max_tokens=8,

@@ -26,7 +26,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 def folders(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """"saved" is loaded at start-up, "lora" through the API; both force an added token first."""
     root = tmp_path_factory.mktemp("tokenizer-adapters")
-    prompt = LLM(model=str(tiny_llama), kv_cache_blocks=16).engine.tokenize(TEXT)
+    prompt = LLM(model=str(tiny_llama), kv_cache_blocks=16).tokenize(TEXT)
     return {layout: write_added_tokens_adapter(tiny_llama, root / layout, layout, prompt, seed=i,
                                                chat_template=TEMPLATE)
             for i, layout in enumerate(("saved", "lora"))}
@@ -62,8 +62,8 @@ def completion(server: Server, model: str, **fields: object) -> dict:
 @pytest.mark.parametrize("model", ["saved", "lora"])
 def test_completion_uses_the_adapters_tokenizer(server: Server, offline: LLM, model: str) -> None:
     want = offline.generate([TEXT], GREEDY, adapters=[model], use_tqdm=False)[0]
-    ids = offline.engine.tokenize(TEXT, model)
-    assert ids != offline.engine.tokenize(TEXT), "the adapter's tokenizer encodes the added token"
+    ids = offline.tokenize(TEXT, model)
+    assert ids != offline.tokenize(TEXT), "the adapter's tokenizer encodes the added token"
     assert ADDED_TOKENS[0] in want.text, "the adapter emits an added token (decoded by its tokenizer)"
     full = completion(server, model)
     assert full["choices"][0]["text"] == want.text
@@ -72,13 +72,13 @@ def test_completion_uses_the_adapters_tokenizer(server: Server, offline: LLM, mo
                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in chunks) == want.text
     base = completion(server, BASE)
-    assert base["usage"]["prompt_tokens"] == len(offline.engine.tokenize(TEXT))
+    assert base["usage"]["prompt_tokens"] == len(offline.tokenize(TEXT))
     assert base["choices"][0]["text"] == offline.generate([TEXT], GREEDY, use_tqdm=False)[0].text
     wait_until_idle(server.engine_client)
 
 
 def test_chat_uses_the_adapters_template_and_tokenizer(server: Server, offline: LLM) -> None:
-    tokenizer = offline.engine.tokenizer_for("lora")
+    tokenizer = offline.current_version("lora").tokenizer
     text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert text == f"<|think|>use {ADDED_TOKENS[1]} now\n"
     ids = tokenizer.encode(text, add_special_tokens=False)

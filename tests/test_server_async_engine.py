@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from loraplex import LLM, SamplingParams, UnknownAdapter
+from loraplex.client.inproc import AsyncEngine
 from loraplex.config import EngineConfig
-from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import Engine
 from loraplex.errors import RequestError
 from tests.server_harness import wait_until_idle
@@ -92,10 +92,10 @@ def test_submission_errors_reach_the_caller(engine: AsyncEngine) -> None:
     assert info.value.param == "top_p"
 
     async def duplicate() -> None:
-        stream = await engine.submit("dup", "x", LONG)
+        stream = await engine.submit("dup", [5], LONG, engine.route(None))
         try:
             with pytest.raises(RequestError):
-                await engine.submit("dup", "x", LONG)
+                await engine.submit("dup", [5], LONG, engine.route(None))
         finally:
             stream.abort()
 

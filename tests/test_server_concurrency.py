@@ -84,7 +84,7 @@ def test_seed_scenario_over_http(seed_server: Server, offline: LLM) -> None:
     assert texts == [solo(offline, PROMPTS[0], a, long_tokens), solo(offline, PROMPTS[1], b, long_tokens)]
     assert late == [solo(offline, PROMPTS[2], c, short_tokens), solo(offline, PROMPTS[3], c, short_tokens),
                     solo(offline, PROMPTS[4], a, short_tokens)]
-    assert srv.stats().device_evictions >= 1  # C really displaced A or B once they finished
+    assert srv.stats().adapter_counters.device_evictions >= 1  # C really displaced A or B once they finished
     wait_until_idle(srv.engine_client)
     srv.check_integrity()
 

@@ -231,7 +231,7 @@ def test_runtime_loading_disabled(server: Server) -> None:
 def test_error_event_format() -> None:
     """A failure after the stream started ends it with an OpenAI error event and [DONE]."""
     from loraplex.errors import AdapterContentChanged
-    from loraplex.server.errors import loraplex_error_event
+    from loraplex.server.openai.errors import loraplex_error_event
 
     event = loraplex_error_event(AdapterContentChanged("adapter 'a' changed on disk"))
     assert json.loads(json.dumps(event)) == {"error": {"message": "adapter 'a' changed on disk",

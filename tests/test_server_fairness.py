@@ -1,4 +1,4 @@
-"""Fair share per tenant over real HTTP (engine/fair_share.py). Two backlogged tenants, one sending 10x the
+"""Fair share per tenant over real HTTP (engine/scheduler/fair_share.py). Two backlogged tenants, one sending 10x the
 other's requests: the service they receive, measured from the outside (tokens as they stream back, weighted
 as VTC weighs them: the prompt with the first token, then each token), differs by less than 2·N·R, the
 docstring's bound N·R plus the requests in flight that the measurement trails. Under FCFS the same run
@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loraplex.engine.fair_share import FairShareWeights
-from loraplex.server.keys import ApiKey, KeyTable
+from loraplex.engine.scheduler.fair_share import FairShareWeights
+from loraplex.server.tenancy.keys import ApiKey, KeyTable
 from tests.server_harness import BASE, Server, tiny_server
 
 N = 2  # max_num_seqs

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from loraplex import LLM, SamplingParams
-from loraplex.server.keys import ApiKey, KeyTable
+from loraplex.server.tenancy.keys import ApiKey, KeyTable
 from tests.server_harness import MODES, Server, tiny_server
 
 CONFIG = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=16)

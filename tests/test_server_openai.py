@@ -17,8 +17,8 @@ import torch
 from transformers import AutoTokenizer
 
 from loraplex import LLM, SamplingParams
-from loraplex.server.protocol import ChatCompletionRequest, CompletionRequest
-from loraplex.server.strict_fields import (
+from loraplex.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from loraplex.server.openai.strict_fields import (
     CHAT_UNIMPLEMENTED,
     COMPLETION_UNIMPLEMENTED,
     GENERIC_NEUTRAL,
@@ -129,7 +129,7 @@ def test_echo_scores_prompts_like_hf_peft(server: Server, offline: LLM, tiny_lla
     assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 0
     assert r.choices[0].text == prompts[0]
     for choice, prompt in zip(r.choices, prompts, strict=True):
-        ids = offline.engine.tokenize(prompt)
+        ids = offline.tokenize(prompt)
         ref = hf_logprobs(tiny_llama, tiny_llama_adapters["r8_all"], ids)
         lp = choice.logprobs
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.tokens) == len(ids)
@@ -226,7 +226,7 @@ def test_adapter_with_added_tokens_uses_its_tokenizer(server: Server, offline: L
     logprob token strings use its tokenizer and vocabulary; the echoed prompt's and the generated tokens'
     logprobs equal PEFT on the resized base."""
     text = f"Call {ADDED_TOKENS[0]} then"
-    folder = write_added_tokens_adapter(tiny_llama, server.root / "added", "saved", offline.engine.tokenize(text))
+    folder = write_added_tokens_adapter(tiny_llama, server.root / "added", "saved", offline.tokenize(text))
     loaded = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "added", "lora_path": str(folder)})
     assert loaded.status_code == 200, loaded.text
     try:

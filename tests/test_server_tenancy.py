@@ -1,7 +1,7 @@
-"""Scoped API keys over real HTTP (server/keys.py, server/quotas.py), in both engine modes: a key sees and uses
-only its scope (an adapter outside it is a 404 with the unknown model's exact body, in /v1/models too),
-non-admin loads are 403, limits answer 429 with Retry-After, the tenant label is bounded to the configured
-tenants, the tenant reaches the engine, and no key is ever logged."""
+"""Scoped API keys over real HTTP (server/tenancy/keys.py, server/tenancy/quotas.py), in both engine modes: a
+key sees and uses only its scope (an adapter outside it is a 404 with the unknown model's exact body, in
+/v1/models too), non-admin loads are 403, limits answer 429 with Retry-After, the tenant label is bounded to the
+configured tenants, the tenant reaches the engine, and no key is ever logged."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplex.server.errors import ServerError
-from loraplex.server.keys import ApiKey, KeyTable
-from loraplex.server.quotas import TenantQuotas
+from loraplex.server.openai.errors import ServerError
+from loraplex.server.tenancy.keys import ApiKey, KeyTable
+from loraplex.server.tenancy.quotas import TenantQuotas
 from tests.server_harness import BASE, MODES, Server, tiny_server
 
 CONFIG = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=8)

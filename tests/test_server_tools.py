@@ -14,8 +14,8 @@ import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
-from loraplex.server.protocol import ChatCompletionRequest
-from loraplex.server.tool_parsers import parse_hermes
+from loraplex.server.openai.protocol import ChatCompletionRequest
+from loraplex.server.openai.tool_parsers import parse_hermes
 from tests.server_harness import BASE, Server, tiny_server
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},

@@ -147,8 +147,8 @@ def test_base_model_answers_with_the_checkpoint_fingerprint(server: Server, tiny
 
 def test_versions_need_runtime_management(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
                                           tmp_path: Path) -> None:
+    from loraplex.client.inproc import AsyncEngine
     from loraplex.config import EngineConfig
-    from loraplex.engine.async_engine import AsyncEngine
     from loraplex.engine.engine import Engine
     from loraplex.server.app import create_app
     from tests.server_harness import running_server

@@ -11,10 +11,10 @@ from loraplex.adapters.host_cache import HostCache
 from loraplex.adapters.slots import Acquisition, SlotTable
 
 
-def activate(table: SlotTable, adapter_id: int) -> Acquisition:
+def activate(table: SlotTable, version_id: int) -> Acquisition:
     """What an out-of-band activation does: acquire, then release at once (no lasting pin)."""
-    result = table.acquire(adapter_id)
-    table.release(adapter_id)
+    result = table.acquire(version_id)
+    table.release(version_id)
     table.check_integrity()
     return result
 

@@ -88,7 +88,7 @@ def test_logprobs_are_the_constrained_distribution(llm: LLM, tiny_llama: Path,
                                                    tiny_llama_adapters: dict[str, Path]) -> None:
     so = StructuredOutputsParams(json=SCHEMAS[1], disable_any_whitespace=True)
     params = SamplingParams(max_tokens=30, temperature=0.8, seed=3, logprobs=4, structured_outputs=so)
-    prompt = llm.engine.tokenize("Person:")
+    prompt = llm.tokenize("Person:")
     out, free = llm.generate([prompt, prompt], [params, replace(params, structured_outputs=None)],
                              adapters=["r8_all", "r8_all"], use_tqdm=False)
     model = hf_model(tiny_llama, tiny_llama_adapters["r8_all"])
@@ -124,7 +124,7 @@ def test_logprobs_are_the_constrained_distribution(llm: LLM, tiny_llama: Path,
 def test_bad_constraints_fail_before_queueing(llm: LLM, so: StructuredOutputsParams, param: str,
                                               message: str) -> None:
     with pytest.raises(RequestError, match=re.escape(message)) as caught:
-        llm.engine.add_request(None, "x", SamplingParams(structured_outputs=so))
+        llm.engine.add_request(None, [5], SamplingParams(structured_outputs=so))
     assert caught.value.param == param
     assert not llm.engine.has_unfinished_requests()
 

@@ -9,8 +9,9 @@ import torch
 
 from benchmarks.gpu.layers import decode_batch
 from loraplex.config import ModelConfig
-from loraplex.engine.kv_cache import BlockManager, KVCache
+from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.runner import ModelRunner, StepEntry
+from loraplex.engine.scheduler.block_manager import BlockManager
 from loraplex.layers.lora_linear import LoRALinear, use_lora_kernels
 from loraplex.models.llama import LlamaForCausalLM
 from loraplex.models.registry import model_config

@@ -27,12 +27,12 @@ class BatchIndices:
         memo = self._memo
         hit = memo is not None and memo[1] == version and (memo[0] is mapping or memo[0] == mapping)
         batch, ids = (memo[2], memo[3]) if hit and memo is not None else (
-            None, frozenset(a for a in mapping.token_adapter_ids if a is not None))
-        for adapter_id in ids:
-            if slot_table.pins(adapter_id) == 0:
-                raise RuntimeError(f"adapter {adapter_id} is in the batch mapping but holds no pin")
+            None, frozenset(a for a in mapping.token_version_ids if a is not None))
+        for version_id in ids:
+            if slot_table.pins(version_id) == 0:
+                raise RuntimeError(f"adapter {version_id} is in the batch mapping but holds no pin")
         if batch is None:
-            if all(a is None for a in mapping.token_adapter_ids):
+            if all(a is None for a in mapping.token_version_ids):
                 return None
             batch = build_lora_batch(mapping, slot_table.slot_of, version)
             self._memo = (mapping, version, batch, ids)

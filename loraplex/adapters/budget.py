@@ -27,8 +27,8 @@ class SavedRowsBudget:
     def used(self) -> int:
         return sum(self._held.values())
 
-    def reserve(self, adapter_id: int, nbytes: int, who: str) -> None:
-        """Count ``nbytes`` for ``adapter_id``; raise (changing nothing) if that would pass the budget."""
+    def reserve(self, version_id: int, nbytes: int, who: str) -> None:
+        """Count ``nbytes`` for ``version_id``; raise (changing nothing) if that would pass the budget."""
         if nbytes == 0:
             return
         if self.capacity is not None and self.used + nbytes > self.capacity:
@@ -37,13 +37,13 @@ class SavedRowsBudget:
                 f"{(self.capacity - self.used) / MIB:.1f} MiB of the {self.capacity / MIB:.0f} MiB budget for saved "
                 "vocabulary rows is free (EngineConfig.saved_rows_budget_bytes / --saved-rows-budget-mib); "
                 "unload an adapter that saves them, or raise the budget")
-        self._held[adapter_id] = nbytes
+        self._held[version_id] = nbytes
 
-    def release(self, adapter_id: int) -> None:
-        self._held.pop(adapter_id, None)
+    def release(self, version_id: int) -> None:
+        self._held.pop(version_id, None)
 
-    def holds(self, adapter_id: int) -> bool:
-        return adapter_id in self._held
+    def holds(self, version_id: int) -> bool:
+        return version_id in self._held
 
     def describe(self, matrix_bytes: int, row_bytes: int) -> str:
         """One line for the start-up log: the budget, how many whole ``[V, hidden]`` matrices fit, where."""

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from loraplex.adapters.weights import AdapterWeights
+from loraplex.adapters.reading.weights import AdapterWeights
 
 
 class HostCache:
-    """``adapter_id -> AdapterWeights``, least recently used first; ``put`` evicts beyond ``capacity``."""
+    """``version_id -> AdapterWeights``, least recently used first; ``put`` evicts beyond ``capacity``."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
@@ -22,19 +22,19 @@ class HostCache:
         self._entries: OrderedDict[int, AdapterWeights] = OrderedDict()
         self._kept: set[int] = set()
 
-    def get(self, adapter_id: int) -> AdapterWeights | None:
+    def get(self, version_id: int) -> AdapterWeights | None:
         """The weights (marked most recently used), or None."""
-        weights = self._entries.get(adapter_id)
+        weights = self._entries.get(version_id)
         if weights is not None:
-            self._entries.move_to_end(adapter_id)
+            self._entries.move_to_end(version_id)
         return weights
 
-    def put(self, adapter_id: int, weights: AdapterWeights, keep: bool = False) -> list[int]:
+    def put(self, version_id: int, weights: AdapterWeights, keep: bool = False) -> list[int]:
         """Insert (or refresh) as most recently used; return the ids evicted to stay within capacity."""
-        self._entries[adapter_id] = weights
-        self._entries.move_to_end(adapter_id)
+        self._entries[version_id] = weights
+        self._entries.move_to_end(version_id)
         if keep:
-            self._kept.add(adapter_id)
+            self._kept.add(version_id)
         evicted = []
         lru = (i for i in list(self._entries) if i not in self._kept)
         while self.evictable() > self.capacity:
@@ -43,18 +43,18 @@ class HostCache:
             evicted.append(old_id)
         return evicted
 
-    def pop(self, adapter_id: int) -> AdapterWeights | None:
+    def pop(self, version_id: int) -> AdapterWeights | None:
         """Remove and return the weights, or None if absent."""
-        self._kept.discard(adapter_id)
-        return self._entries.pop(adapter_id, None)
+        self._kept.discard(version_id)
+        return self._entries.pop(version_id, None)
 
     def evictable(self) -> int:
         """Entries that count against ``capacity`` (all but the kept ones)."""
         return len(self._entries) - len(self._kept)
 
-    def contains(self, adapter_id: int) -> bool:
+    def contains(self, version_id: int) -> bool:
         """Presence test that does not touch the LRU order."""
-        return adapter_id in self._entries
+        return version_id in self._entries
 
     __contains__ = contains
 

@@ -9,13 +9,13 @@ from typing import Any
 
 @dataclass(frozen=True)
 class AdapterInfo:
-    """One registered adapter version. Requests resolve a name to ``adapter_id`` once, at admission; a
+    """One registered adapter version. Requests resolve a name to ``version_id`` once, at admission; a
     reload makes a new id. ``tokenizer`` (when the adapter ships its own) encodes and decodes that
     version's requests and renders their chat template; ``vocab_size`` bounds their token ids."""
 
     name: str
     path: str
-    adapter_id: int  # the version: fresh for every load
+    version_id: int  # the version: fresh for every load
     content_hash: str
     max_rank: int
     vocab_size: int | None = None  # the adapter's vocabulary when it adds tokens, else None (the base's)
@@ -23,6 +23,7 @@ class AdapterInfo:
     uses_dora: bool = False
     tokenizer: Any = field(default=None, compare=False, repr=False)  # its own, or None: the base model's
     loaded_at: float = 0.0  # when this version was loaded (Unix time)
+    roots: tuple[str, ...] | None = None  # the allowed roots it was loaded under (its re-reads keep them)
 
 
 @dataclass

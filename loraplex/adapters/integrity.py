@@ -26,14 +26,14 @@ def check_tiers(slot_table: SlotTable, host: HostCache, infos: Mapping[int, Adap
         raise AssertionError(f"slot version went back from {checked_version} to {version}")
     if memo_version is not None and memo_version > version:
         raise AssertionError("memoised indices are newer than the slot table")
-    for slot, adapter_id in enumerate(slot_table.slots):
-        info = infos.get(adapter_id) if adapter_id is not None else None
-        if adapter_id is not None and info is None:
-            raise AssertionError(f"slot {slot} holds adapter {adapter_id}, which is not registered")
+    for slot, version_id in enumerate(slot_table.slots):
+        info = infos.get(version_id) if version_id is not None else None
+        if version_id is not None and info is None:
+            raise AssertionError(f"slot {slot} holds adapter {version_id}, which is not registered")
         if written[slot] != (info.content_hash if info else None):
             raise AssertionError(f"slot {slot}: writer got {written[slot]}, table says {info}")
-        if info and adapter_id not in held and slot_table.pins(adapter_id) == 0:
-            raise AssertionError(f"slot {slot} keeps unloaded, unpinned adapter {adapter_id}")
+        if info and version_id not in held and slot_table.pins(version_id) == 0:
+            raise AssertionError(f"slot {slot} keeps unloaded, unpinned adapter {version_id}")
     if not set(host.ids()) <= held or host.evictable() > host.capacity:
         raise AssertionError(f"host tier {host.ids()} holds ids outside {set(held)} or is over capacity")
     return version

@@ -5,8 +5,9 @@ LRU), device slots (``max_loras``, written through ``writer``).
 - Ids are versions. Each successful ``load`` gets a fresh id (``new_version=True`` promotes an existing
   name to it; the versions it held stay acquirable); ``unload`` retires every version of the name
   (as does a promotion past ``VersionTable.max_held`` for the oldest): no new request resolves to it.
-- Accepted means served: ``hold(name)`` routes each engine request to a version and holds it until
-  ``release_hold``; a retired version stays acquirable while any request holds it or a pin is left.
+- Accepted means served: ``hold(version_id)`` admits each engine request on the version its frontend
+  routed it to and holds it until ``release_hold``; a retired version stays acquirable while any request
+  holds it or a pin is left.
   When the last one ends, the version is *dropped*: its host weights, saved-rows reservation, tokenizer,
   slot and failure record go, and ``drain_dropped`` hands its id to the engine (its cached KV blocks).
 - Per request, ask then do: ``can_acquire(id)``, then ``acquire(id) -> slot`` (pins), ``release(id)`` when
@@ -18,7 +19,11 @@ LRU), device slots (``max_loras``, written through ``writer``).
 - ``load`` folds the version against the base weights once (``writer.prepare``: DoRA scales), reads its
   own tokenizer if it ships one, and reserves its saved vocabulary rows in ``SavedRowsBudget`` (kept
   in host memory while held); ``AdapterMemoryBudgetExceeded`` past the budget.
-- One re-entrant lock guards all state; adapter files are never read while it is held.
+- One re-entrant lock guards all state; adapter files are never read while it is held: a load's name
+  check, reading, validation, folding and tokenizer run in the caller's thread before it takes the lock
+  (to register the version), so a hostile file delays only its own load, never ``lora_batch`` or
+  ``try_acquire``. Names match ``names.ADAPTER_NAME_PATTERN``; a load with ``roots`` reads only files inside
+  them (and its re-reads keep them).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,14 +41,16 @@ from loraplex.adapters.budget import SavedRowsBudget
 from loraplex.adapters.host_cache import HostCache
 from loraplex.adapters.info import AdapterCounters, AdapterInfo
 from loraplex.adapters.integrity import check_tiers
-from loraplex.adapters.peft_format import read_peft_adapter
+from loraplex.adapters.names import check_adapter_name
 from loraplex.adapters.read_ahead import ReadAhead, read_ahead_depth
+from loraplex.adapters.reading.overflow_bound import check_dora_scales
+from loraplex.adapters.reading.peft_format import read_peft_adapter
+from loraplex.adapters.reading.tokenizer import read_adapter_tokenizer
+from loraplex.adapters.reading.weights import AdapterWeights
 from loraplex.adapters.rereads import Rereads
 from loraplex.adapters.slots import SlotTable, SlotWriter
 from loraplex.adapters.snapshot import tier_snapshot
-from loraplex.adapters.tokenizer import read_adapter_tokenizer
-from loraplex.adapters.versions import VersionTable
-from loraplex.adapters.weights import AdapterWeights
+from loraplex.adapters.versions import VersionTable, VersionView
 from loraplex.config import ModelConfig
 from loraplex.errors import AdapterAlreadyLoaded, AdapterError, UnknownAdapter
 from loraplex.ops.lora_batch import BatchMapping, LoRABatch
@@ -73,25 +80,30 @@ class AdapterManager:
         self._indices = BatchIndices()
         self._checked_version = 0
 
-    def load(self, name: str, path: str | Path, new_version: bool = False) -> AdapterInfo:
+    def load(self, name: str, path: str | Path, new_version: bool = False,
+             roots: Sequence[str | Path] | None = None) -> AdapterInfo:
         """Read and validate ``path`` in the caller's thread, then register it as a new version (of an
-        existing name, which moves to it, only with ``new_version``)."""
+        existing name, which moves to it, only with ``new_version``). With ``roots`` (the server's
+        ``--adapter-root`` folders), every file read must resolve inside one of them."""
+        check_adapter_name(name)
         self._check_name_free(name, path, new_version)
-        weights = self._read(path)
+        kept_roots = None if roots is None else tuple(str(r) for r in roots)
+        weights = self._read(path, kept_roots)
         vocab_size = weights.vocab_size or self.model_config.vocab_size
-        tokenizer = read_adapter_tokenizer(path, self.base_tokenizer, vocab_size)
+        tokenizer = read_adapter_tokenizer(path, self.base_tokenizer, vocab_size, kept_roots)
         with self._lock:
             self._check_name_free(name, path, new_version)
             info = AdapterInfo(name, weights.path, self._next_id, weights.content_hash, weights.max_rank,
-                               weights.vocab_size, weights.saved_bytes, weights.uses_dora, tokenizer, time.time())
-            self.budget.reserve(info.adapter_id, info.saved_bytes, f"{path}: adapter {name!r}")
+                               weights.vocab_size, weights.saved_bytes, weights.uses_dora, tokenizer, time.time(),
+                               kept_roots)
+            self.budget.reserve(info.version_id, info.saved_bytes, f"{path}: adapter {name!r}")
             self._next_id += 1
-            self._infos[info.adapter_id] = info
+            self._infos[info.version_id] = info
             for old in self.versions.add(info):
-                self._drop_if_unused(old.adapter_id)
-            self._put_host(info.adapter_id, weights)
+                self._drop_if_unused(old.version_id)
+            self._put_host(info.version_id, weights)
             self._counters.loads += 1
-        logger.info("loaded adapter %r (id %d, rank %d) from %s", name, info.adapter_id, info.max_rank, path)
+        logger.info("loaded adapter %r (id %d, rank %d) from %s", name, info.version_id, info.max_rank, path)
         return info
 
     def unload(self, name: str) -> AdapterInfo:
@@ -100,8 +112,8 @@ class AdapterManager:
         with self._lock:
             infos = self.versions.remove(name)
             for info in infos:
-                self._drop_if_unused(info.adapter_id)
-        logger.info("unloaded adapter %r (versions %s)", name, ", ".join(f"v{i.adapter_id}" for i in infos))
+                self._drop_if_unused(info.version_id)
+        logger.info("unloaded adapter %r (versions %s)", name, ", ".join(f"v{i.version_id}" for i in infos))
         return infos[-1]
 
     def drain_dropped(self) -> list[int]:
@@ -110,16 +122,22 @@ class AdapterManager:
             dropped, self._dropped = self._dropped, []
             return dropped
 
-    def hold(self, name: str, adapter_id: int | None = None) -> AdapterInfo:
-        """``route`` for one engine request, which holds the version (acquirable, even unloaded) until released."""
+    def hold(self, version_id: int) -> AdapterInfo:
+        """Admit one engine request on exactly ``version_id`` (``VersionTable.hold``): it stays acquirable,
+        even unloaded, until ``release_hold``; ``UnknownAdapter`` if it is no longer held."""
         with self._lock:
-            return self.versions.hold(name, adapter_id)
+            return self.versions.hold(version_id)
 
-    def release_hold(self, adapter_id: int) -> None:
-        """A request holding ``adapter_id`` ended; the last one of an unloaded version drops it."""
+    def release_hold(self, version_id: int) -> None:
+        """A request holding ``version_id`` ended; the last one of an unloaded version drops it."""
         with self._lock:
-            if self.versions.release(adapter_id):
-                self._drop_if_unused(adapter_id)
+            if self.versions.release(version_id):
+                self._drop_if_unused(version_id)
+
+    def count_served(self, version_id: int) -> None:
+        """One API request was admitted on ``version_id`` (``requests_served`` in the listing)."""
+        with self._lock:
+            self.versions.count_served(version_id)
 
     def resolve(self, name: str) -> int:
         """The version ``name`` serves now (ignoring a split)."""
@@ -127,12 +145,17 @@ class AdapterManager:
             info = self.versions.current(name)
             if info is None:
                 raise UnknownAdapter(f"no adapter named {name!r} is loaded")
-            return info.adapter_id
+            return info.version_id
 
-    def route(self, name: str, adapter_id: int | None = None) -> AdapterInfo:
-        """The version a new request of ``name`` runs on (``VersionTable.route``); counts the request on it."""
+    @property
+    def generation(self) -> int:
+        """``VersionTable.generation``: changes whenever ``version_view()`` would."""
+        return self.versions.generation
+
+    def version_view(self) -> VersionView:
+        """The version table as plain data, for frontends that route (``VersionTable.view``)."""
         with self._lock:
-            return self.versions.route(name, adapter_id)
+            return self.versions.view()
 
     def with_versions(self, operation: Callable[[VersionTable], T]) -> T:
         """``operation(self.versions)`` under the lock: rollback, split, listing (``VersionTable``)."""
@@ -144,84 +167,84 @@ class AdapterManager:
         with self._lock:
             return self.versions.currents()
 
-    def info(self, adapter_id: int) -> AdapterInfo:
+    def info(self, version_id: int) -> AdapterInfo:
         with self._lock:
-            if (info := self._infos.get(adapter_id)) is None:
-                raise UnknownAdapter(f"no adapter with id {adapter_id}")
+            if (info := self._infos.get(version_id)) is None:
+                raise UnknownAdapter(f"no adapter with id {version_id}")
             return info
 
-    def failure(self, adapter_id: int) -> AdapterError | None:
-        """Why ``adapter_id`` can never be acquired again (dropped, or its files can no longer be read), or None."""
+    def failure(self, version_id: int) -> AdapterError | None:
+        """Why ``version_id`` can never be acquired again (dropped, or its files can no longer be read), or None."""
         with self._lock:
-            if adapter_id not in self._infos:
-                return UnknownAdapter(f"adapter version v{adapter_id} is not loaded (unloaded; no request holds it)")
-            return self._failures.get(adapter_id)
+            if version_id not in self._infos:
+                return UnknownAdapter(f"adapter version v{version_id} is not loaded (unloaded; no request holds it)")
+            return self._failures.get(version_id)
 
-    def can_acquire(self, adapter_id: int) -> bool:
+    def can_acquire(self, version_id: int) -> bool:
         """Whether ``acquire`` would succeed now; starts a background re-read if the weights are cold."""
         with self._lock:
-            if self.failure(adapter_id) is not None:
+            if self.failure(version_id) is not None:
                 return False
-            if adapter_id in self.slot_table.slot_of:
+            if version_id in self.slot_table.slot_of:
                 return True
-            if not self.host.contains(adapter_id):
-                self._rereads.start(self._infos[adapter_id])
+            if not self.host.contains(version_id):
+                self._rereads.start(self._infos[version_id])
                 return False
-            return self.slot_table.can_acquire(adapter_id)
+            return self.slot_table.can_acquire(version_id)
 
     def read_ahead(self, wanted: Iterable[int]) -> None:
         """``wanted``: versions in admission order; the first few not in a slot are read ahead (``ReadAhead``)."""
         with self._lock:
-            for adapter_id in self._rereads.ahead.plan(wanted, self.slot_table.slot_of.__contains__):
-                if self.failure(adapter_id) is None and self.host.get(adapter_id) is None:
-                    self._rereads.start(self._infos[adapter_id])
+            for version_id in self._rereads.ahead.plan(wanted, self.slot_table.slot_of.__contains__):
+                if self.failure(version_id) is None and self.host.get(version_id) is None:
+                    self._rereads.start(self._infos[version_id])
 
-    def acquire(self, adapter_id: int) -> int:
-        """Pin ``adapter_id`` into a slot (writing it there if needed) and return the slot."""
+    def acquire(self, version_id: int) -> int:
+        """Pin ``version_id`` into a slot (writing it there if needed) and return the slot."""
         with self._lock:
-            if (error := self.failure(adapter_id)) is not None:
+            if (error := self.failure(version_id)) is not None:
                 raise error
-            if adapter_id in self.slot_table.slot_of:
-                self.slot_table.acquire(adapter_id)
+            if version_id in self.slot_table.slot_of:
+                self.slot_table.acquire(version_id)
                 self._counters.device_hits += 1
-                return self.slot_table.slot_of[adapter_id]
-            weights = self.host.get(adapter_id)
-            if weights is None or not self.slot_table.can_acquire(adapter_id):
-                raise RuntimeError(f"acquire({adapter_id}) while can_acquire is False: ask first, then wait")
-            slot, evicted = self.slot_table.acquire(adapter_id)
+                return self.slot_table.slot_of[version_id]
+            weights = self.host.get(version_id)
+            if weights is None or not self.slot_table.can_acquire(version_id):
+                raise RuntimeError(f"acquire({version_id}) while can_acquire is False: ask first, then wait")
+            slot, evicted = self.slot_table.acquire(version_id)
             self._written[slot] = None
             try:
                 self.writer.set_slot(slot, weights)
             except BaseException:
-                self.slot_table.release(adapter_id)
+                self.slot_table.release(version_id)
                 self.slot_table.clear(slot)
                 self.writer.clear_slot(slot)
                 raise
             self._written[slot] = weights.content_hash
             self._counters.host_hits += 1
             self._counters.device_evictions += evicted is not None
-            logger.debug("slot %d <- adapter %d (evicted %s)", slot, adapter_id, evicted)
+            logger.debug("slot %d <- adapter %d (evicted %s)", slot, version_id, evicted)
             return slot
 
-    def resident(self, adapter_id: int) -> bool:
-        """Whether ``adapter_id`` sits in a device slot now (acquiring it writes no slot)."""
+    def resident(self, version_id: int) -> bool:
+        """Whether ``version_id`` sits in a device slot now (acquiring it writes no slot)."""
         with self._lock:
-            return adapter_id in self.slot_table.slot_of
+            return version_id in self.slot_table.slot_of
 
-    def try_acquire(self, adapter_id: int) -> int | None:
+    def try_acquire(self, version_id: int) -> int | None:
         """``acquire`` if ``can_acquire`` (atomically), else None."""
         with self._lock:
-            return self.acquire(adapter_id) if self.can_acquire(adapter_id) else None
+            return self.acquire(version_id) if self.can_acquire(version_id) else None
 
-    def release(self, adapter_id: int) -> None:
+    def release(self, version_id: int) -> None:
         """Drop one pin; the last pin of an unused, unloaded version drops it."""
         with self._lock:
-            if self.slot_table.release(adapter_id) == 0:
-                self._drop_if_unused(adapter_id)
+            if self.slot_table.release(version_id) == 0:
+                self._drop_if_unused(version_id)
 
-    def wait_for_read(self, adapter_id: int, timeout: float | None = None) -> None:
-        """Block until a background re-read of ``adapter_id`` (if one is running) has finished."""
-        self._rereads.wait(adapter_id, timeout)
+    def wait_for_read(self, version_id: int, timeout: float | None = None) -> None:
+        """Block until a background re-read of ``version_id`` (if one is running) has finished."""
+        self._rereads.wait(version_id, timeout)
 
     def lora_batch(self, mapping: BatchMapping) -> LoRABatch | None:
         """Slot indices (None if no token uses an adapter), memoised on (mapping, slot-table version)."""
@@ -249,7 +272,7 @@ class AdapterManager:
     def check_integrity(self) -> None:
         """Raise AssertionError unless slots, pins, writer-visible state and registry agree."""
         with self._lock:
-            held = {i.adapter_id for i in self.versions.all_held()} | set(self.versions.in_flight) | {
+            held = {i.version_id for i in self.versions.all_held()} | set(self.versions.in_flight) | {
                 a for a in self.slot_table.slot_of if self.slot_table.pins(a)}
             self._checked_version = check_tiers(self.slot_table, self.host, self._infos, self._written, held,
                                                 self._checked_version, self._indices.version)
@@ -264,24 +287,28 @@ class AdapterManager:
                 raise AdapterAlreadyLoaded(f"{path}: an adapter named {name!r} is already loaded (from "
                                            f"{current.path}); unload it first, or load it as a new version")
 
-    def _read(self, path: str | Path) -> AdapterWeights:
-        """Read, validate and fold one version (in the caller's thread)."""
-        return self.writer.prepare(read_peft_adapter(path, self.model_config, self.max_lora_rank, self.allow_pickle))
+    def _read(self, path: str | Path, roots: tuple[str, ...] | None = None) -> AdapterWeights:
+        """Read, validate and fold one version (in the caller's thread, or the re-reader's), checking the
+        folded DoRA scales against ``overflow_bound``."""
+        weights = self.writer.prepare(read_peft_adapter(path, self.model_config, self.max_lora_rank,
+                                                        self.allow_pickle, roots))
+        check_dora_scales(weights)
+        return weights
 
-    def _put_host(self, adapter_id: int, weights: AdapterWeights) -> None:
-        keep = self.budget.holds(adapter_id)  # saved rows stay resident while loaded
-        self._counters.host_evictions += len(self.host.put(adapter_id, weights, keep=keep))
+    def _put_host(self, version_id: int, weights: AdapterWeights) -> None:
+        keep = self.budget.holds(version_id)  # saved rows stay resident while loaded
+        self._counters.host_evictions += len(self.host.put(version_id, weights, keep=keep))
 
-    def _drop_if_unused(self, adapter_id: int) -> None:
+    def _drop_if_unused(self, version_id: int) -> None:
         """Forget a version that is not held, holds no request and no pin: everything kept for it is freed."""
-        if self.versions.is_held(adapter_id) or self.versions.in_use(adapter_id) or self.slot_table.pins(adapter_id):
+        if self.versions.is_held(version_id) or self.versions.in_use(version_id) or self.slot_table.pins(version_id):
             return
-        del self._infos[adapter_id]
-        self._failures.pop(adapter_id, None)
-        self._dropped.append(adapter_id)
-        self.host.pop(adapter_id)
-        self.budget.release(adapter_id)
-        slot = self.slot_table.slot_of.get(adapter_id)
+        del self._infos[version_id]
+        self._failures.pop(version_id, None)
+        self._dropped.append(version_id)
+        self.host.pop(version_id)
+        self.budget.release(version_id)
+        slot = self.slot_table.slot_of.get(version_id)
         if slot is not None:
             self.slot_table.clear(slot)
             self._written[slot] = None
@@ -291,10 +318,10 @@ class AdapterManager:
         """The background re-read of ``info`` finished (reader thread)."""
         with self._lock:
             self._counters.disk_reads += 1
-            if info.adapter_id not in self._infos:
+            if info.version_id not in self._infos:
                 return  # dropped meanwhile
             if error is not None:
-                self._failures[info.adapter_id] = error
+                self._failures[info.version_id] = error
                 logger.warning("%s", error)
             elif weights is not None:
-                self._put_host(info.adapter_id, weights)
+                self._put_host(info.version_id, weights)

@@ -35,14 +35,14 @@ class ReadAhead:
         """The new window: the first ``depth`` distinct ids of ``wanted`` (admission order) for which
         ``placed(id)`` (in a device slot) is False, in that order."""
         window: list[int] = []
-        for adapter_id in wanted:
-            if adapter_id not in window and not placed(adapter_id):
-                window.append(adapter_id)
+        for version_id in wanted:
+            if version_id not in window and not placed(version_id):
+                window.append(version_id)
                 if len(window) == self.depth:
                     break
         self.window = frozenset(window)
         return window
 
-    def allows(self, adapter_id: int) -> bool:
-        """Whether a cold ``adapter_id`` may be read now."""
-        return self.window is None or adapter_id in self.window
+    def allows(self, version_id: int) -> bool:
+        """Whether a cold ``version_id`` may be read now."""
+        return self.window is None or version_id in self.window

@@ -1,5 +1,6 @@
-"""``Rereads``: one background thread re-reading adapter versions evicted from host memory, each checked
-against the content hash it was loaded with (the version's identity); ``ReadAhead`` says which may be read."""
+"""``Rereads``: one background thread re-reading adapter versions evicted from host memory, each under the
+allowed roots it was loaded with and checked against the content hash it was loaded with (the version's
+identity); ``ReadAhead`` says which may be read."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from loraplex.adapters.info import AdapterInfo
 from loraplex.adapters.read_ahead import ReadAhead
-from loraplex.adapters.weights import AdapterWeights
+from loraplex.adapters.reading.weights import AdapterWeights
 from loraplex.errors import AdapterContentChanged, AdapterError
 
 Done = Callable[[AdapterInfo, AdapterWeights | None, AdapterError | None], None]
@@ -22,7 +23,8 @@ class Rereads:
     is called from the reader thread with the weights, or with the ``AdapterContentChanged`` that the
     version's requests must fail with (changed on disk, or unreadable)."""
 
-    def __init__(self, read: Callable[[str | Path], AdapterWeights], done: Done, ahead: ReadAhead) -> None:
+    def __init__(self, read: Callable[[str | Path, tuple[str, ...] | None], AdapterWeights], done: Done,
+                 ahead: ReadAhead) -> None:
         self._read, self._done, self.ahead = read, done, ahead
         self._lock = threading.Lock()
         self._pending: dict[int, Future[None]] = {}
@@ -30,13 +32,13 @@ class Rereads:
 
     def start(self, info: AdapterInfo) -> None:
         with self._lock:
-            if info.adapter_id not in self._pending and self.ahead.allows(info.adapter_id):
-                self._pending[info.adapter_id] = self._executor.submit(self._reread, info)
+            if info.version_id not in self._pending and self.ahead.allows(info.version_id):
+                self._pending[info.version_id] = self._executor.submit(self._reread, info)
 
-    def wait(self, adapter_id: int, timeout: float | None = None) -> None:
-        """Block until a pending re-read of ``adapter_id`` (if any) has finished."""
+    def wait(self, version_id: int, timeout: float | None = None) -> None:
+        """Block until a pending re-read of ``version_id`` (if any) has finished."""
         with self._lock:
-            future = self._pending.get(adapter_id)
+            future = self._pending.get(version_id)
         if future is not None:
             future.result(timeout)
 
@@ -47,9 +49,9 @@ class Rereads:
     def _reread(self, info: AdapterInfo) -> None:
         weights: AdapterWeights | None = None
         error: AdapterError | None = None
-        who = f"{info.path}: adapter {info.name!r} (id {info.adapter_id})"
+        who = f"{info.path}: adapter {info.name!r} (id {info.version_id})"
         try:
-            weights = self._read(info.path)
+            weights = self._read(info.path, info.roots)
             if weights.content_hash != info.content_hash:
                 error = AdapterContentChanged(f"{who} changed on disk since it was loaded; load it again")
         except Exception as e:  # any failure must reach the waiting requests, not die in this thread
@@ -58,4 +60,4 @@ class Rereads:
             self._done(info, None if error else weights, error)
         finally:
             with self._lock:
-                del self._pending[info.adapter_id]
+                del self._pending[info.version_id]

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
-from loraplex.adapters.weights import AdapterWeights
+from loraplex.adapters.reading.weights import AdapterWeights
 
 
 class SlotWriter(Protocol):
@@ -62,8 +62,8 @@ class SlotTable:
         """Read-only live view ``adapter id -> slot`` of the resident adapters."""
         return MappingProxyType(self._slot_of)
 
-    def pins(self, adapter_id: int) -> int:
-        return self._pins.get(adapter_id, 0)
+    def pins(self, version_id: int) -> int:
+        return self._pins.get(version_id, 0)
 
     def in_use(self) -> int:
         """Number of occupied slots."""
@@ -73,62 +73,62 @@ class SlotTable:
         """Number of pinned slots."""
         return len(self._pins)
 
-    def can_acquire(self, adapter_id: int) -> bool:
-        """True if ``acquire(adapter_id)`` would succeed now (resident, a free slot, or an unpinned one)."""
-        return adapter_id in self._slot_of or self._victim() is not None
+    def can_acquire(self, version_id: int) -> bool:
+        """True if ``acquire(version_id)`` would succeed now (resident, a free slot, or an unpinned one)."""
+        return version_id in self._slot_of or self._victim() is not None
 
-    def acquire(self, adapter_id: int) -> Acquisition:
-        """Pin ``adapter_id`` into a slot; see the module docstring. Raises RuntimeError if it must wait."""
-        slot = self._slot_of.get(adapter_id)
+    def acquire(self, version_id: int) -> Acquisition:
+        """Pin ``version_id`` into a slot; see the module docstring. Raises RuntimeError if it must wait."""
+        slot = self._slot_of.get(version_id)
         if slot is not None:
-            self._pins[adapter_id] = self._pins.get(adapter_id, 0) + 1
+            self._pins[version_id] = self._pins.get(version_id, 0) + 1
             self._lru.move_to_end(slot)
             self.last_used[slot] = time.time()
             return Acquisition(slot, evicted=None)
         slot = self._victim()
         if slot is None:
-            raise RuntimeError(f"cannot acquire adapter {adapter_id}: all {self.max_loras} slots are pinned")
+            raise RuntimeError(f"cannot acquire adapter {version_id}: all {self.max_loras} slots are pinned")
         evicted = self.slots[slot]
         if evicted is not None:
             del self._slot_of[evicted]
-        self.slots[slot] = adapter_id
-        self._slot_of[adapter_id] = slot
-        self._pins[adapter_id] = 1
+        self.slots[slot] = version_id
+        self._slot_of[version_id] = slot
+        self._pins[version_id] = 1
         self._lru[slot] = None
         self._lru.move_to_end(slot)
         self.last_used[slot] = time.time()
         self.version += 1
         return Acquisition(slot, evicted=evicted)
 
-    def release(self, adapter_id: int) -> int:
-        """Drop one pin; return the pins left. Raises RuntimeError if ``adapter_id`` is not pinned."""
-        count = self._pins.get(adapter_id, 0)
+    def release(self, version_id: int) -> int:
+        """Drop one pin; return the pins left. Raises RuntimeError if ``version_id`` is not pinned."""
+        count = self._pins.get(version_id, 0)
         if count == 0:
-            raise RuntimeError(f"release of adapter {adapter_id}, which holds no pin")
+            raise RuntimeError(f"release of adapter {version_id}, which holds no pin")
         if count == 1:
-            del self._pins[adapter_id]
+            del self._pins[version_id]
         else:
-            self._pins[adapter_id] = count - 1
-        self.last_used[self._slot_of[adapter_id]] = time.time()
+            self._pins[version_id] = count - 1
+        self.last_used[self._slot_of[version_id]] = time.time()
         return count - 1
 
     def clear(self, slot: int) -> int | None:
         """Empty an unpinned slot (a slot write: bumps the version); return the id it held."""
-        adapter_id = self.slots[slot]
-        if adapter_id is not None and adapter_id in self._pins:
-            raise RuntimeError(f"cannot clear slot {slot}: adapter {adapter_id} is pinned")
-        if adapter_id is not None:
-            del self._slot_of[adapter_id]
+        version_id = self.slots[slot]
+        if version_id is not None and version_id in self._pins:
+            raise RuntimeError(f"cannot clear slot {slot}: adapter {version_id} is pinned")
+        if version_id is not None:
+            del self._slot_of[version_id]
             del self._lru[slot]
         self.slots[slot] = None
         self.last_used[slot] = None
         self.version += 1
-        return adapter_id
+        return version_id
 
     def _victim(self) -> int | None:
         """The lowest free slot, else the least recently used unpinned slot, else None."""
-        for slot, adapter_id in enumerate(self.slots):
-            if adapter_id is None:
+        for slot, version_id in enumerate(self.slots):
+            if version_id is None:
                 return slot
         for slot in self._lru:
             if self.slots[slot] not in self._pins:
@@ -144,6 +144,6 @@ class SlotTable:
             raise AssertionError(f"reverse map {self._slot_of} disagrees with slots {self.slots}")
         if set(self._lru) != set(occupied):
             raise AssertionError(f"LRU order {list(self._lru)} disagrees with occupied slots {occupied}")
-        for adapter_id, count in self._pins.items():
-            if count < 1 or adapter_id not in self._slot_of:
-                raise AssertionError(f"adapter {adapter_id} has {count} pins but is not resident")
+        for version_id, count in self._pins.items():
+            if count < 1 or version_id not in self._slot_of:
+                raise AssertionError(f"adapter {version_id} has {count} pins but is not resident")

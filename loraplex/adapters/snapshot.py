@@ -33,7 +33,7 @@ from loraplex.adapters.slots import SlotTable
 class _Info(Protocol):
     name: str
     path: str
-    adapter_id: int
+    version_id: int
     max_rank: int
 
 
@@ -41,27 +41,27 @@ def tier_snapshot(slot_table: SlotTable, host: HostCache, infos: Mapping[int, _I
                   counters: Mapping[str, int]) -> dict[str, Any]:
     """The snapshot described above. ``infos``: every version a slot may hold (live or unloaded but
     pinned); ``live``: the loaded versions in load order; ``counters``: ``AdapterCounters`` as a dict."""
-    live_ids = {info.adapter_id for info in live}
+    live_ids = {info.version_id for info in live}
 
-    def card(adapter_id: int) -> dict[str, Any]:
-        info = infos[adapter_id]
-        return {"adapter": info.name, "version": adapter_id, "rank": info.max_rank}
+    def card(version_id: int) -> dict[str, Any]:
+        info = infos[version_id]
+        return {"adapter": info.name, "version": version_id, "rank": info.max_rank}
 
     slots = []
-    for slot, adapter_id in enumerate(slot_table.slots):
-        held = card(adapter_id) if adapter_id is not None else {"adapter": None, "version": None, "rank": None}
-        slots.append({"slot": slot, **held, "pins": slot_table.pins(adapter_id) if adapter_id is not None else 0,
+    for slot, version_id in enumerate(slot_table.slots):
+        held = card(version_id) if version_id is not None else {"adapter": None, "version": None, "rank": None}
+        slots.append({"slot": slot, **held, "pins": slot_table.pins(version_id) if version_id is not None else 0,
                       "last_used": slot_table.last_used[slot],
-                      "unloaded": adapter_id is not None and adapter_id not in live_ids})
+                      "unloaded": version_id is not None and version_id not in live_ids})
     return {
         "time": time.time(),
         "slot_version": slot_table.version,
         "max_loras": slot_table.max_loras,
         "max_cpu_loras": host.capacity,
         "slots": slots,
-        "host": [card(adapter_id) for adapter_id in host.ids()],
-        "adapters": [{**card(info.adapter_id), "path": str(info.path),
-                      "slot": slot_table.slot_of.get(info.adapter_id), "in_host": host.contains(info.adapter_id)}
+        "host": [card(version_id) for version_id in host.ids()],
+        "adapters": [{**card(info.version_id), "path": str(info.path),
+                      "slot": slot_table.slot_of.get(info.version_id), "in_host": host.contains(info.version_id)}
                      for info in live],
         "counters": dict(counters),
     }

@@ -1,18 +1,22 @@
 """``VersionTable``: adapter names -> the versions held for each, which one the name serves, and an
 optional weighted split between held versions (a canary).
 
-- Every load makes a version (``AdapterInfo.adapter_id``, shown as ``v<id>``); loading an existing name
+- Every load makes a version (``AdapterInfo.version_id``, shown as ``v<id>``); loading an existing name
   as a new version *promotes* it: the name moves to it in one step, and the version it served stays
   held (its requests in flight finish on it; new requests may be rolled back to it).
 - ``rollback(name)`` moves the name back to the held version loaded before the current one.
-- ``set_split(name, {id: weight})`` routes each new request of the name to one of the held versions,
-  by smooth weighted round-robin (nginx's): exact proportions over every window of ``sum`` requests
-  for integer ratios, and deterministic (a test or an auditor can reproduce the sequence). A promotion,
-  a rollback or a split of one version clears it.
+- ``set_split(name, {id: weight})`` records how new requests of the name are shared among its held
+  versions. The table only records the weights; the *pick* for each request is the frontend's, made
+  once, first, before anything is derived from the adapter (``client/directory.py``). A promotion, a
+  rollback or a split of one version clears it.
 - At most ``max_held`` versions per name are held; promoting past that retires the oldest.
-- Requests in flight hold their version: ``hold`` routes a new engine request and counts it on its version
-  (``in_flight``) until ``release``; a version that left the table (unloaded, retired) stays in use while
-  any request holds it, and ``release`` says when its last one ended (its memory may be freed then).
+- Requests in flight hold their version: ``hold(version_id)`` admits one engine request on exactly that
+  version (it must still be held: a version that was unloaded or retired is gone for new requests) and
+  counts it (``in_flight``) until ``release``; a version that left the table stays in use while any
+  request holds it, and ``release`` says when its last one ended (its memory may be freed then).
+- ``generation`` counts the table's changes (every load, unload, promotion, rollback, split, retirement):
+  a copy of it elsewhere (a frontend's directory, another process's) is current exactly while its
+  generation equals this one. ``view()`` is that copy, as plain data.
 Not thread-safe: ``AdapterManager`` calls it under its lock.
 """
 
@@ -20,21 +24,54 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from loraplex.adapters.info import AdapterInfo
 from loraplex.errors import AdapterVersionConflict, RequestError, UnknownAdapter
 
 
+@dataclass(frozen=True)
+class HeldVersion:
+    """One held version as a frontend needs it to route, tokenize and answer (plain data)."""
+
+    version_id: int
+    name: str
+    content_hash: str
+    path: str
+    vocab_size: int | None  # its vocabulary when it adds tokens, else None (the base model's)
+    has_tokenizer: bool  # it ships its own tokenizer or chat template (read from ``path``)
+    roots: tuple[str, ...] | None = None  # the allowed roots it was loaded under (a re-read keeps them)
+
+
+@dataclass(frozen=True)
+class NameView:
+    current: int  # the version id the name serves when no split is set
+    split: tuple[tuple[int, float], ...]  # (version id, share), by id; () when none is set
+    held: tuple[HeldVersion, ...]  # oldest first
+
+
+@dataclass(frozen=True)
+class VersionView:
+    """The whole table at one ``generation``, name -> ``NameView`` in name-load order."""
+
+    generation: int
+    names: Mapping[str, NameView]
+
+
+EMPTY_VIEW = VersionView(0, {})
+
+
 class VersionTable:
     def __init__(self, max_held: int = 4) -> None:
         self.max_held = max_held
+        self.generation = 0
         self._held: dict[str, list[AdapterInfo]] = {}  # oldest first
         self._current: dict[str, AdapterInfo] = {}
-        self._split: dict[str, list[list[float]]] = {}  # name -> [[adapter_id, weight, running score]]
+        self._split: dict[str, dict[int, float]] = {}  # name -> {version id: share}
         self._by_id: dict[int, AdapterInfo] = {}
-        self.served: dict[int, int] = {}  # adapter id -> engine requests routed to it (held versions)
-        self.in_flight: dict[int, int] = {}  # adapter id -> engine requests holding it now (held or not)
+        self.served: dict[int, int] = {}  # version id -> API requests admitted on it (held versions)
+        self.in_flight: dict[int, int] = {}  # version id -> engine requests holding it now (held or not)
 
     def current(self, name: str) -> AdapterInfo | None:
         return self._current.get(name)
@@ -45,28 +82,29 @@ class VersionTable:
 
     def all_held(self) -> list[AdapterInfo]:
         """Every held version, in id order."""
-        return sorted(self._by_id.values(), key=lambda i: i.adapter_id)
+        return sorted(self._by_id.values(), key=lambda i: i.version_id)
 
     def held(self, name: str) -> list[AdapterInfo]:
         return list(self._held.get(name, ()))
 
-    def is_held(self, adapter_id: int) -> bool:
-        return adapter_id in self._by_id
+    def is_held(self, version_id: int) -> bool:
+        return version_id in self._by_id
 
     def split(self, name: str) -> dict[int, float]:
-        return {int(entry[0]): entry[1] for entry in self._split.get(name, ())}
+        return dict(self._split.get(name, {}))
 
     def add(self, info: AdapterInfo) -> list[AdapterInfo]:
         """Hold ``info`` and move its name to it; returns the versions retired past ``max_held``."""
         held = self._held.setdefault(info.name, [])
         held.append(info)
-        self._by_id[info.adapter_id] = info
-        self.served[info.adapter_id] = 0
+        self._by_id[info.version_id] = info
+        self.served[info.version_id] = 0
         self._current[info.name] = info
         self._split.pop(info.name, None)
         retired = held[: max(0, len(held) - self.max_held)]
         for old in retired:
             self._forget(old)
+        self.generation += 1
         return retired
 
     def remove(self, name: str) -> list[AdapterInfo]:
@@ -77,8 +115,9 @@ class VersionTable:
         held = self._held.pop(name)
         self._split.pop(name, None)
         for info in held:
-            del self._by_id[info.adapter_id]
-            self.served.pop(info.adapter_id, None)
+            del self._by_id[info.version_id]
+            self.served.pop(info.version_id, None)
+        self.generation += 1
         return [i for i in held if i is not current] + [current]
 
     def rollback(self, name: str) -> AdapterInfo:
@@ -88,15 +127,16 @@ class VersionTable:
         index = held.index(current)
         if index == 0:
             raise AdapterVersionConflict(
-                f"adapter {name!r} holds no version older than v{current.adapter_id} to roll back to")
+                f"adapter {name!r} holds no version older than v{current.version_id} to roll back to")
         self._current[name] = held[index - 1]
         self._split.pop(name, None)
+        self.generation += 1
         return held[index - 1]
 
     def set_split(self, name: str, weights: Mapping[int, float]) -> None:
-        """Route ``name``'s new requests among held versions by ``weights`` (positive, summing to 1)."""
+        """Share ``name``'s new requests among held versions by ``weights`` (positive, summing to 1)."""
         self._require(name)
-        ids = {i.adapter_id for i in self._held[name]}
+        ids = {i.version_id for i in self._held[name]}
         unknown = sorted(set(weights) - ids)
         if not weights or unknown:
             raise UnknownAdapter(f"adapter {name!r} holds no version {', '.join(f'v{i}' for i in unknown)}"
@@ -106,57 +146,51 @@ class VersionTable:
         if len(weights) == 1:  # one version: a promotion
             self._current[name] = self._by_id[next(iter(weights))]
             self._split.pop(name, None)
-            return
-        self._split[name] = [[float(i), w, 0.0] for i, w in sorted(weights.items())]
-
-    def route(self, name: str, adapter_id: int | None = None) -> AdapterInfo:
-        """The version a new request of ``name`` runs on: ``adapter_id`` if given (it must be held for
-        ``name``; routed before, so not counted again), else the split's next pick or the current version,
-        counted as serving one more request."""
-        current = self._require(name)
-        entries = self._split.get(name)
-        if adapter_id is not None:
-            info = self._by_id.get(adapter_id)
-            if info is None or info.name != name:
-                raise UnknownAdapter(f"adapter {name!r} holds no version v{adapter_id}")
-            return info
-        if entries:
-            for entry in entries:  # smooth weighted round-robin
-                entry[2] += entry[1]
-            best = max(entries, key=lambda e: e[2])
-            best[2] -= 1.0
-            info = self._by_id[int(best[0])]
         else:
-            info = current
-        self.served[info.adapter_id] += 1
+            self._split[name] = dict(sorted(weights.items()))
+        self.generation += 1
+
+    def hold(self, version_id: int) -> AdapterInfo:
+        """Admit one engine request on exactly ``version_id``, which it holds until ``release``;
+        ``UnknownAdapter`` if the version is no longer held (unloaded, or retired past ``max_held``)."""
+        info = self._by_id.get(version_id)
+        if info is None:
+            raise UnknownAdapter(f"adapter version v{version_id} is no longer loaded (unloaded or replaced)")
+        self.in_flight[version_id] = self.in_flight.get(version_id, 0) + 1
         return info
 
-    def hold(self, name: str, adapter_id: int | None = None) -> AdapterInfo:
-        """``route(name, adapter_id)`` for one engine request, which holds the version until ``release``."""
-        info = self.route(name, adapter_id)
-        self.in_flight[info.adapter_id] = self.in_flight.get(info.adapter_id, 0) + 1
-        return info
+    def count_served(self, version_id: int) -> None:
+        """One API request (all its choices and prompts) was admitted on ``version_id``."""
+        if version_id in self.served:
+            self.served[version_id] += 1
 
-    def release(self, adapter_id: int) -> bool:
-        """One request holding ``adapter_id`` ended; True if it was the last one and the version is no longer
+    def release(self, version_id: int) -> bool:
+        """One request holding ``version_id`` ended; True if it was the last one and the version is no longer
         held (unloaded or retired meanwhile): nothing can use it any more."""
-        left = self.in_flight[adapter_id] - 1
+        left = self.in_flight[version_id] - 1
         if left:
-            self.in_flight[adapter_id] = left
+            self.in_flight[version_id] = left
             return False
-        del self.in_flight[adapter_id]
-        return not self.is_held(adapter_id)
+        del self.in_flight[version_id]
+        return not self.is_held(version_id)
 
-    def in_use(self, adapter_id: int) -> bool:
-        """Whether a request in flight holds ``adapter_id``."""
-        return adapter_id in self.in_flight
+    def in_use(self, version_id: int) -> bool:
+        """Whether a request in flight holds ``version_id``."""
+        return version_id in self.in_flight
+
+    def view(self) -> VersionView:
+        """The table now, as plain data (``VersionView``)."""
+        return VersionView(self.generation, {
+            name: NameView(current.version_id, tuple(self._split.get(name, {}).items()),
+                           tuple(_held_version(i) for i in self._held[name]))
+            for name, current in self._current.items()})
 
     def listing(self) -> list[dict[str, Any]]:
         """Every name with its current version, split and held versions, as JSON-serialisable data."""
-        return [{"name": name, "current": f"v{current.adapter_id}",
+        return [{"name": name, "current": f"v{current.version_id}",
                  "split": {f"v{i}": w for i, w in self.split(name).items()} or None,
-                 "versions": [{"id": f"v{i.adapter_id}", "content_hash": i.content_hash, "path": str(i.path),
-                               "loaded_at": i.loaded_at, "requests_served": self.served[i.adapter_id]}
+                 "versions": [{"id": f"v{i.version_id}", "content_hash": i.content_hash, "path": str(i.path),
+                               "loaded_at": i.loaded_at, "requests_served": self.served[i.version_id]}
                               for i in self._held[name]]}
                 for name, current in self._current.items()]
 
@@ -168,7 +202,12 @@ class VersionTable:
 
     def _forget(self, info: AdapterInfo) -> None:
         self._held[info.name].remove(info)
-        del self._by_id[info.adapter_id]
-        self.served.pop(info.adapter_id, None)
-        for entries in self._split.values():
-            entries[:] = [e for e in entries if int(e[0]) != info.adapter_id]
+        del self._by_id[info.version_id]
+        self.served.pop(info.version_id, None)
+        for shares in self._split.values():
+            shares.pop(info.version_id, None)
+
+
+def _held_version(info: AdapterInfo) -> HeldVersion:
+    return HeldVersion(info.version_id, info.name, info.content_hash, str(info.path), info.vocab_size,
+                       info.tokenizer is not None, info.roots)

@@ -6,11 +6,12 @@ It reads ``Start`` from the socket FD, builds the ``Engine``, loads the start-up
 - the **main thread** runs the step loop: ``engine.step()`` while there is work (it sleeps on an
   event otherwise) and sends each step's outputs, compacted, as ONE ``StepOutputs`` message;
 - the **receiver thread** reads the socket: ``AddRequests`` are validated and queued at once, together,
-  by ``engine.add_requests`` (the adapter name is resolved to its version there) and answered with
-  ``Accepted``, so the HTTP status is known before the first step; ``Abort`` goes into the inbox too;
-  ``Call`` s (adapter loads read files) run on a small thread pool, never on the step loop.
+  by ``engine.add_requests`` (each holds exactly the adapter version its frontend routed it to) and
+  answered with ``Accepted``, so the HTTP status is known before the first step; ``Abort`` goes into the
+  inbox too; ``Call`` s (adapter loads read files) run on a small thread pool, never on the step loop;
+  a call that changes the version table replies with the table after it.
 
-Requests are queued with ``detokenize=False``: text and stop strings are the API process's work.
+The engine deals in token ids only: text and stop strings are the frontend's (``client/output.py``).
 The process ends on ``Shutdown``, or when the API process goes away (end of file on the socket,
 also when it was killed), so it never outlives its parent. SIGINT is ignored (Ctrl-C reaches the
 whole process group; the API process coordinates the shutdown); SIGTERM ends it at once.
@@ -18,6 +19,7 @@ whole process group; the API process coordinates the shutdown); SIGTERM ends it 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -28,9 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from loraplex.engine import messages as m
-from loraplex.engine.client import EngineInfo
+from loraplex.engine import wire as m
 from loraplex.engine.engine import Engine
+from loraplex.engine.request import EngineOutput
 from loraplex.engine.step_loop import run_step_loop
 
 logger = logging.getLogger("loraplex.engine.core_process")  # also when run as __main__
@@ -47,7 +49,6 @@ class EngineCore:
         self._send_lock = threading.Lock()  # the step loop, the receiver and the call pool all send
         self._wakeup = threading.Event()
         self._stopping = False
-        self._sent: dict[str, int] = {}  # request in flight -> token ids already sent (step loop only)
         self._live: set[str] = set()  # requests accepted and not yet finished
         self._live_lock = threading.Lock()
         self._calls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="loraplex-call")
@@ -93,7 +94,7 @@ class EngineCore:
             try:
                 with self._live_lock:
                     self._live.update(ids)
-                self.engine.add_requests(message.requests, detokenize=False, **message.tags.kwargs())
+                self.engine.add_requests(message.requests, message.tags)
                 error = None
             except Exception as exc:  # refused: nothing was queued
                 with self._live_lock:
@@ -114,6 +115,8 @@ class EngineCore:
             reply = m.Reply(call.call_id, m.portable_result(getattr(self.engine, call.method)(*call.args)))
         except Exception as exc:
             reply = m.Reply(call.call_id, error=m.portable(exc))
+        if call.method in m.CHANGES_VERSIONS and reply.error is None:
+            reply = dataclasses.replace(reply, versions=self.engine.version_view())
         self._wakeup.set()  # an unload may end queued requests
         self.send(reply)
 
@@ -123,19 +126,13 @@ class EngineCore:
         run_step_loop(self.engine, self._wakeup, lambda: self._stopping, self._send_outputs, self._fail_all)
         logger.info("step loop stopped")
 
-    def _send_outputs(self, seconds: float, outputs: list[Any]) -> None:
-        self.send(m.StepOutputs(seconds, [self._compact(out) for out in outputs], self.engine.step_failures,
-                                self.engine.last_step_error))
-
-    def _compact(self, out: Any) -> Any:
-        sent = self._sent.get(out.request_id)  # None: its first output
-        if out.finished:
-            self._sent.pop(out.request_id, None)
+    def _send_outputs(self, seconds: float, outputs: list[EngineOutput]) -> None:
+        finished = [out.request_id for out in outputs if out.finished]
+        if finished:
             with self._live_lock:
-                self._live.discard(out.request_id)
-        else:
-            self._sent[out.request_id] = len(out.token_ids)
-        return m.compact(out, sent)
+                self._live.difference_update(finished)
+        self.send(m.StepOutputs(seconds, [m.portable_output(out) for out in outputs], self.engine.step_failures,
+                                self.engine.last_step_error))
 
     def _fail_all(self, exc: Exception) -> None:
         with self._live_lock:
@@ -143,7 +140,6 @@ class EngineCore:
             self._live.clear()
         for request_id in ids:
             self.engine.abort_request(request_id)
-            self._sent.pop(request_id, None)
         self.send(m.StepFailed(ids, m.portable(exc)))
 
 
@@ -161,7 +157,7 @@ def _start(conn: Connection, started: threading.Event) -> EngineCore | None:
         conn.send(m.StartFailed(m.portable(exc)))
         return None
     started.set()
-    conn.send(m.Ready(EngineInfo.of(engine)))
+    conn.send(m.Ready(engine.info(), engine.version_view()))
     return EngineCore(engine, conn)
 
 

@@ -21,21 +21,23 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from loraplex.adapters.info import AdapterInfo
 from loraplex.adapters.manager import AdapterManager
+from loraplex.adapters.versions import VersionView
 from loraplex.config import EngineConfig
-from loraplex.engine.admission import WaitingBound
 from loraplex.engine.intake import RequestIntake
 from loraplex.engine.invariants import check_right_kv, check_right_weights, keys_hold_all_kv_inputs
-from loraplex.engine.kv_cache import BlockManager, KVCache
-from loraplex.engine.logprobs import add_prompt_logprobs, needs_prompt_rows
+from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.memory import release_free_memory
-from loraplex.engine.request import Request, RequestOutput, SamplingParams
+from loraplex.engine.request import NO_TAGS, EngineOutput, NewRequest, Request, RequestTags, SamplingParams
 from loraplex.engine.runner import ModelRunner, StepEntry
-from loraplex.engine.sampling import check_drawn, sample_rows
-from loraplex.engine.scheduler import ScheduledRequest, Scheduler
+from loraplex.engine.sampling.logprobs import add_prompt_logprobs, needs_prompt_rows
+from loraplex.engine.sampling.sampler import check_drawn, sample_rows
+from loraplex.engine.sampling.structured.compiler import GrammarCompilers
+from loraplex.engine.sampling.structured.waiting import GrammarWaitlist
+from loraplex.engine.scheduler.admission import WaitingBound
+from loraplex.engine.scheduler.block_manager import BlockManager
+from loraplex.engine.scheduler.scheduler import ScheduledRequest, Scheduler
 from loraplex.engine.stats import EngineStats, collect_stats
-from loraplex.engine.structured.compiler import GrammarCompilers
-from loraplex.engine.structured.waiting import GrammarWaitlist
-from loraplex.engine.tokenizers import TokenizerTable
+from loraplex.engine.wire import EngineInfo
 from loraplex.errors import EngineStepFailed, LoraplexError
 from loraplex.layers.lora_linear import use_lora_dtype, use_lora_kernels
 from loraplex.models.embedded import resolve_model
@@ -52,7 +54,7 @@ logger = logging.getLogger(__name__)
 class _Retire:
     """Inbox item: an adapter version was dropped (no request holds it); its cached blocks are freed."""
 
-    adapter_id: int
+    version_id: int
 
 
 def _pick_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -100,7 +102,7 @@ class Engine:
         self.grammars = GrammarCompilers(self.model_config.eos_token_ids)  # structured outputs' grammars
         self._compiling = GrammarWaitlist()  # requests waiting for their grammar, outside the scheduler
         self.waiting_bound = WaitingBound(config, self.scheduler, self._compiling)  # 503 past max_waiting_requests
-        self.intake = RequestIntake(self.adapters, self.tokenizer, self.model_config.vocab_size, self.model_name,
+        self.intake = RequestIntake(self.adapters, self.tokenizer, self.model_config.vocab_size,
                                     self.max_model_len, self.grammars, config.seed)
         self._fingerprint: str | None = None
         self.step_failures, self.last_step_error = 0, ""  # steps that raised and failed their requests (_fail_step)
@@ -114,9 +116,11 @@ class Engine:
         logger.info("%s", self.adapters.budget.describe(row_bytes * self.model_config.vocab_size, row_bytes))
 
     # ---- adapters (any thread) ----
-    def load_adapter(self, name: str, path: str | Path, new_version: bool = False) -> AdapterInfo:
-        """A new version of ``name`` from ``path``; ``new_version`` promotes a loaded name (in-flight keep theirs)."""
-        info = self.adapters.load(name, str(path), new_version)
+    def load_adapter(self, name: str, path: str | Path, new_version: bool = False,
+                     roots: Sequence[str] | None = None) -> AdapterInfo:
+        """A new version of ``name`` from ``path``; ``new_version`` promotes a loaded name (in-flight keep theirs).
+        ``roots``: every file the load reads must resolve inside one of these folders (``ForbiddenAdapterPath``)."""
+        info = self.adapters.load(name, str(path), new_version, roots)
         self._retire_dropped()
         return info
 
@@ -128,12 +132,8 @@ class Engine:
 
     def _retire_dropped(self) -> None:
         """Versions dropped (unloaded and their last request ended): their cached KV blocks are freed next step."""
-        for adapter_id in self.adapters.drain_dropped():
-            self._inbox.put(_Retire(adapter_id))
-
-    def route_adapter(self, name: str) -> AdapterInfo:
-        """The version ``name``'s next request runs on (split pick or current; counted), for ``adapter_version``."""
-        return self.adapters.route(name)
+        for version_id in self.adapters.drain_dropped():
+            self._inbox.put(_Retire(version_id))
 
     def rollback_adapter(self, name: str) -> AdapterInfo:
         """Move ``name`` back to the held version before its current one (else ``AdapterVersionConflict``)."""
@@ -161,43 +161,35 @@ class Engine:
         """The adapter tiers at one instant, JSON-serialisable (``GET /v1/slots``; ``adapters/snapshot.py``)."""
         return self.adapters.snapshot()
 
-    def tokenizer_for(self, adapter: str | None) -> PreTrainedTokenizerBase | None:
-        """The tokenizer of ``adapter``'s live version (its own, else the base's); ``UnknownAdapter`` if none."""
-        return self._version(self.adapters.resolve(adapter) if adapter is not None else None)[0]
+    def info(self) -> EngineInfo:
+        """The served model, as a frontend needs it (plain data)."""
+        return EngineInfo(model_name=self.model_name, model_path=str(self.model_path),
+                          max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
+                          dtype=str(self.dtype), device=str(self.device), has_tokenizer=self.tokenizer is not None)
 
-    def vocab_size_for(self, adapter: str | None) -> int:
-        """The vocabulary of ``adapter``'s live version (wider than the base's when it adds tokens)."""
-        return self._version(self.adapters.resolve(adapter) if adapter is not None else None)[1]
+    def version_view(self) -> VersionView:
+        """The adapter version table as plain data: what a frontend routes names with (``client/directory.py``)."""
+        return self.adapters.version_view()
 
-    def tokenizer_table(self) -> TokenizerTable:
-        """The live versions that ship their own tokenizer, as plain data (``engine/tokenizers.py``)."""
-        return TokenizerTable.of(self.adapters.list(), self.model_config.vocab_size)
-
-    def _version(self, adapter_id: int | None) -> tuple[PreTrainedTokenizerBase | None, int]:
-        return self.intake.version(adapter_id)
+    def tokenizer_of(self, version_id: int | None) -> PreTrainedTokenizerBase | None:
+        """The tokenizer of adapter version ``version_id`` (its own if it ships one, else the base model's)."""
+        return self.intake.version(version_id)[0]
 
     # ---- requests (any thread) ----
-    def tokenize(self, prompt: str | list[int], adapter: str | None = None) -> list[int]:
-        """Token ids of ``prompt`` as ``adapter``'s requests see them (its tokenizer and vocabulary)."""
-        return self.intake.tokenize(prompt, *self._version(self.adapters.resolve(adapter) if adapter else None))
+    def add_request(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                    version_id: int | None = None, tags: RequestTags = NO_TAGS) -> str:
+        """Validate and queue one request (``add_requests`` of one); returns its id."""
+        return self.add_requests([NewRequest(request_id, prompt_token_ids, params, version_id)], tags)[0]
 
-    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    adapter: str | None = None, detokenize: bool = True, **tags: Any) -> str:
-        """Validate and queue a request; raises before anything is queued. Returns its id."""
-        return self.add_requests([(request_id, prompt, params, adapter)], detokenize, **tags)[0]
-
-    def add_requests(self, items: Sequence[tuple[str | None, str | list[int], SamplingParams, str | None]],
-                     detokenize: bool = True, tenant: str | None = None, priority: int = 0,
-                     adapter_version: int | None = None) -> list[str]:
-        """Validate every ``(request_id, prompt, params, adapter)``, then queue them all at once, so they
-        are admitted together (the choices of an ``n > 1`` request, the prompts of a prompt list); raises
-        before anything is queued (``QueueFull`` past ``max_waiting_requests``). Each request is one choice
-        (fan out with ``params.choices()``). Returns their ids. ``detokenize=False``: token ids only, for a
-        caller that detokenizes (output_processor.py).
-        ``tenant``, ``priority``: admission order (``fair_share.py``); ``adapter_version`` pins a held version.
-        Each request holds its adapter version until it finishes (``intake.py``), even if unloaded meanwhile."""
-        with self.waiting_bound.admitting(len(items)):  # QueueFull before anything is resolved; undone on error
-            requests = self.intake.make_all(items, detokenize, adapter_version, tenant=tenant, priority=priority)
+    def add_requests(self, items: Sequence[NewRequest], tags: RequestTags = NO_TAGS) -> list[str]:
+        """Validate every ``NewRequest``, then queue them all at once, so they are admitted together (the
+        choices of an ``n > 1`` request, the prompts of a prompt list); raises before anything is queued
+        (``UnknownAdapter`` for a version no longer held, ``RequestError`` naming the field, ``QueueFull``
+        past ``max_waiting_requests``). Each request is one choice (fan out with ``params.choices()``) and
+        holds its adapter version until it finishes (``intake.py``), even if unloaded meanwhile. ``tags``:
+        admission order (``scheduler/fair_share.py``). Returns their ids."""
+        with self.waiting_bound.admitting(len(items)):  # QueueFull before anything is held; undone on error
+            requests = self.intake.make_all(items, tags)
         self._inbox.put(requests)
         return [r.request_id for r in requests]
 
@@ -211,7 +203,7 @@ class Engine:
         return collect_stats(self.config, self.scheduler, self.allocator, self.adapters, self.step_failures)
 
     # ---- the step loop (one thread) ----
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         outputs = self._drain_inbox()
         outputs += self._fail_broken_adapters()
         batch = self.scheduler.schedule()
@@ -220,7 +212,7 @@ class Engine:
         entries = [StepEntry(tuple(s.request.all_token_ids[s.start:s.start + s.num_tokens]), s.start,
                              tuple(s.request.block_table), needs_prompt_rows(s.request, s.start, s.num_tokens))
                    for s in batch]
-        mapping = BatchMapping.from_sequences([(s.request.adapter_id, s.num_tokens) for s in batch])
+        mapping = BatchMapping.from_sequences([(s.request.version_id, s.num_tokens) for s in batch])
         try:
             lora = self.adapters.lora_batch(mapping)
             if self.config.debug_checks:
@@ -248,7 +240,7 @@ class Engine:
         self._retire_dropped()
         return outputs
 
-    def _drain_inbox(self) -> list[RequestOutput]:
+    def _drain_inbox(self) -> list[EngineOutput]:
         outputs = []
         while not self._inbox.empty():
             item = self._inbox.get()
@@ -258,7 +250,7 @@ class Engine:
                 for request in self._compiling.hold(item):
                     self.scheduler.add(request)
             elif isinstance(item, _Retire):
-                self.allocator.retire(item.adapter_id)
+                self.allocator.retire(item.version_id)
                 release_free_memory()  # its weights were freed: hand the pages back (engine/memory.py)
             elif (request := self._requests.get(item)) is not None:
                 self._compiling.remove(request)
@@ -268,18 +260,18 @@ class Engine:
             self.scheduler.add(request)
         return outputs + [self._finish(request, "error", error) for request, error in failed]
 
-    def _fail_broken_adapters(self) -> list[RequestOutput]:
+    def _fail_broken_adapters(self) -> list[EngineOutput]:
         """Requests whose adapter version can no longer be served (e.g. its files changed) fail alone."""
         outputs = []
         for request in list(self.scheduler.waiting):
-            if request.adapter_id is None or request.pinned:  # a pinned version stays servable
+            if request.version_id is None or request.pinned:  # a pinned version stays servable
                 continue
-            error = self.adapters.failure(request.adapter_id)
+            error = self.adapters.failure(request.version_id)
             if error is not None:
                 outputs.append(self._finish(request, "error", error))
         return outputs
 
-    def _fail_step(self, batch: list[ScheduledRequest], exc: Exception) -> list[RequestOutput]:
+    def _fail_step(self, batch: list[ScheduledRequest], exc: Exception) -> list[EngineOutput]:
         """The step of ``batch`` raised (after ``undo``): its requests fail with ``EngineStepFailed``; their
         blocks and pins are returned and every other request keeps running. Counted in ``step_failures``."""
         self.step_failures += 1
@@ -290,7 +282,7 @@ class Engine:
                                  "other requests keep running")
         return [self._finish(s.request, "error", error) for s in batch if not s.request.finished]
 
-    def _finish(self, request: Request, reason: str, error: LoraplexError | None = None) -> RequestOutput:
+    def _finish(self, request: Request, reason: str, error: LoraplexError | None = None) -> EngineOutput:
         """End a request outside the step's own bookkeeping (abort, broken adapter)."""
         self.scheduler.finish(request, reason)
         request.error = error

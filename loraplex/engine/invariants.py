@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from torch import nn
 
 from loraplex.adapters.manager import AdapterManager
-from loraplex.engine.kv_cache import BlockManager
 from loraplex.engine.request import Request
+from loraplex.engine.scheduler.block_manager import BlockManager
 from loraplex.layers.rotary import RotaryEmbedding
 from loraplex.ops.lora_batch import BatchMapping, LoRABatch
 
@@ -29,8 +29,8 @@ logger = logging.getLogger(__name__)
 
 def check_right_weights(adapters: AdapterManager, mapping: BatchMapping, lora: LoRABatch | None) -> None:
     """Every token of ``mapping`` reads (through ``lora``'s slot indices) the slot of the version it asked for."""
-    slots = lora.token_slots.tolist() if lora is not None else [-1] * len(mapping.token_adapter_ids)
-    for t, (wanted, slot) in enumerate(zip(mapping.token_adapter_ids, slots, strict=True)):
+    slots = lora.token_slots.tolist() if lora is not None else [-1] * len(mapping.token_version_ids)
+    for t, (wanted, slot) in enumerate(zip(mapping.token_version_ids, slots, strict=True)):
         held = None if slot < 0 else adapters.slot_owner(slot)
         if held != wanted:
             raise AssertionError(f"token {t} asked for adapter {wanted} but reads slot {slot} holding {held}")
@@ -41,7 +41,7 @@ def check_right_kv(blocks: BlockManager, running: Sequence[Request], scheduled: 
     reads only blocks of its own version and chain."""
     blocks.check_integrity([r.block_table for r in running])
     for request in scheduled:
-        blocks.check_sequence(request.block_table, request.block_keys, request.adapter_id)
+        blocks.check_sequence(request.block_table, request.block_keys, request.version_id)
 
 
 def keys_hold_all_kv_inputs(model: nn.Module, max_model_len: int) -> bool:

@@ -1,62 +1,59 @@
-"""Requests, their sampling parameters and their outputs."""
+"""The engine core's requests: what it takes (``NewRequest``), what it keeps (``Request``) and what each
+step gives back (``EngineOutput``: token ids only; text is the frontend's)."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from loraplex.engine.logprobs import TokenLogprob
-from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.sampling.logprobs import TokenLogprob
+from loraplex.engine.sampling.params import SamplingParams
 from loraplex.errors import LoraplexError, RequestError
 
 if TYPE_CHECKING:
-    from loraplex.engine.detokenizer import IncrementalDetokenizer
-    from loraplex.engine.logits_processors import ProcessorState
-    from loraplex.engine.structured.masks import GrammarState
+    from loraplex.engine.sampling.logits_processors import ProcessorState
+    from loraplex.engine.sampling.structured.masks import GrammarState
 
-__all__ = ["NO_TAGS", "Request", "RequestOutput", "RequestStatus", "RequestTags", "SamplingParams", "TokenLogprob",
-           "check_context_length"]
+__all__ = ["NO_TAGS", "EngineOutput", "NewRequest", "Request", "RequestStatus", "RequestTags", "SamplingParams",
+           "TokenLogprob", "check_context_length"]
+
+
+class NewRequest(NamedTuple):
+    """One request as the engine core takes it: token ids, one choice (``params.n == 1``) and the adapter
+    version its frontend routed it to (None: the base model). Stop strings in ``params.stop`` are the
+    frontend's (``client/output.py``); the engine stops on token ids, EOS and lengths only."""
+
+    request_id: str | None  # None: the engine names it ("req-N")
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    version_id: int | None = None
 
 
 @dataclass
-class RequestOutput:
-    """One request's state after a step; ``delta_text`` is what is new since its previous output.
-
-    ``logprobs`` (when the request asked) has one entry per ``token_ids`` entry; ``prompt_logprobs`` one
-    per prompt token, the first None. ``LLM.generate`` returns one output per prompt: its first choice,
-    with every choice (``n`` of them, vLLM's shape) in ``outputs``, each with its ``index``.
-    """
+class EngineOutput:
+    """What one step produced for one request: its *new* token ids (and their logprobs) since its previous
+    output, never text. Prompt logprobs (complete once its prefill is) come with its first output only.
+    The frontend's ``OutputProcessor`` turns these into ``RequestOutput`` s (``client/output.py``)."""
 
     request_id: str
-    adapter: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    delta_text: str
+    new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: LoraplexError | None = None
-    logprobs: list[TokenLogprob] | None = None
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    index: int = 0  # which choice of its prompt this is
-    outputs: list[RequestOutput] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class RequestTags:
-    """How the engine orders and routes a submitted request (``Engine.add_requests``): ``tenant`` (fair share),
-    ``priority`` (vLLM's: lower first within its tenant), ``adapter_version`` (a held version of its adapter,
-    from ``EngineClient.route_adapter``; None: the engine routes)."""
+    """How the engine orders a submitted group of requests (``Engine.add_requests``): ``tenant`` (fair
+    share) and ``priority`` (vLLM's: lower first within its tenant)."""
 
     tenant: str | None = None
     priority: int = 0
-    adapter_version: int | None = None
-
-    def kwargs(self) -> dict[str, Any]:
-        return {"tenant": self.tenant, "priority": self.priority, "adapter_version": self.adapter_version}
 
 
 NO_TAGS = RequestTags()
@@ -70,15 +67,15 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """Engine-side state of one request. ``adapter_id`` is the adapter *version* it resolved to."""
+    """Engine-side state of one request: ``version_id`` is the adapter version it holds (``adapter`` is that
+    version's name, for the per-adapter counters)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter: str | None
-    adapter_id: int | None
+    version_id: int | None
     generator: torch.Generator | None
-    detokenizer: IncrementalDetokenizer | None = None  # None: no stop strings, no text (token ids only)
     arrival_step: int = 0
     tenant: str | None = None  # who is served (fair share per tenant); None: the anonymous tenant
     priority: int = 0  # vLLM's request priority: lower is admitted first within its tenant
@@ -96,6 +93,8 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token so far, when asked
     processor_state: ProcessorState | None = None  # the logits processors' tensors, built on first use
     grammar: GrammarState | None = None  # its structured-output constraint (params.structured_outputs)
+    num_emitted: int = 0  # output tokens already handed out in an ``EngineOutput``
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None and self.logprobs is None:
@@ -115,16 +114,17 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def output(self) -> RequestOutput:
-        """Its state now as a ``RequestOutput`` (takes the text added since the previous output)."""
-        detok = self.detokenizer
-        return RequestOutput(
-            request_id=self.request_id, adapter=self.adapter,
-            prompt_token_ids=self.prompt_token_ids, token_ids=list(self.output_token_ids),
-            text=detok.text if detok else "", delta_text=detok.pop_delta(self.finished) if detok else "",
-            finished=self.finished, finish_reason=self.finish_reason, error=self.error,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
-            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs))
+    def output(self) -> EngineOutput:
+        """What is new since its previous output, as an ``EngineOutput`` (marks it handed out)."""
+        new = slice(self.num_emitted, len(self.output_token_ids))
+        self.num_emitted = len(self.output_token_ids)
+        prompt_logprobs = None  # complete by its first output (outputs start once its prefill is done)
+        if self.prompt_logprobs is not None and not self.prompt_logprobs_sent:
+            prompt_logprobs, self.prompt_logprobs_sent = list(self.prompt_logprobs), True
+        return EngineOutput(
+            request_id=self.request_id, new_token_ids=self.output_token_ids[new], finished=self.finished,
+            finish_reason=self.finish_reason, error=self.error,
+            new_logprobs=None if self.logprobs is None else self.logprobs[new], prompt_logprobs=prompt_logprobs)
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_note: str = "") -> None:

@@ -9,12 +9,13 @@ be a step old but never torn inside one counter.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+from loraplex.adapters.info import AdapterCounters
 from loraplex.adapters.manager import AdapterManager
 from loraplex.config import EngineConfig
-from loraplex.engine.kv_cache import BlockManager, PrefixCounts
-from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.scheduler.block_manager import BlockManager, PrefixCounts
+from loraplex.engine.scheduler.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -26,11 +27,7 @@ class EngineStats:
     max_loras: int
     kv_blocks_free: int
     kv_blocks_total: int
-    loads: int
-    device_evictions: int
-    host_evictions: int
-    device_hits: int
-    host_hits: int
+    adapter_counters: AdapterCounters  # loads, evictions and hits of the adapter tiers since start (one home)
     num_preemptions: int
     saved_rows_bytes: int = 0  # adapters' saved vocabulary rows held now
     saved_rows_budget_bytes: int = 0
@@ -53,7 +50,7 @@ def collect_stats(config: EngineConfig, scheduler: Scheduler, blocks: BlockManag
     requests in flight per loaded adapter name (a request of an unloaded name is counted in the totals only)."""
     c = adapters.counters()
     names: dict[int | None, str | None] = {None: None}
-    names.update((info.adapter_id, info.name) for info in adapters.list())
+    names.update((info.version_id, info.name) for info in adapters.list())
     by_version = blocks.counts_by_version()
     live = set(names.values())
     in_flight: dict[str | None, list[int]] = {}
@@ -65,8 +62,8 @@ def collect_stats(config: EngineConfig, scheduler: Scheduler, blocks: BlockManag
         num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),
         slots_in_use=c["slots_in_use"], slots_pinned=c["slots_pinned"], max_loras=config.max_loras,
         kv_blocks_free=blocks.num_free, kv_blocks_total=blocks.num_total,
-        loads=c["loads"], device_evictions=c["device_evictions"], host_evictions=c["host_evictions"],
-        device_hits=c["device_hits"], host_hits=c["host_hits"], num_preemptions=scheduler.num_preemptions,
+        adapter_counters=AdapterCounters(**{f.name: c[f.name] for f in fields(AdapterCounters)}),
+        num_preemptions=scheduler.num_preemptions,
         saved_rows_bytes=adapters.budget.used, saved_rows_budget_bytes=config.saved_rows_budget_bytes,
         prefix_cache_queried_tokens=blocks.totals.queried_tokens, prefix_cache_hit_tokens=blocks.totals.hit_tokens,
         prefix_cache_blocks=blocks.num_cached, prefix_cache_evictions=blocks.evictions,

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from loraplex.engine.engine import Engine
-from loraplex.engine.request import RequestOutput
+from loraplex.engine.request import EngineOutput
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ _IDLE_POLL_S = 0.005  # back-off when the engine has queued work but could not s
 
 
 def run_step_loop(engine: Engine, wakeup: threading.Event, stopping: Callable[[], bool],
-                  on_outputs: Callable[[float, list[RequestOutput]], None],
+                  on_outputs: Callable[[float, list[EngineOutput]], None],
                   on_failure: Callable[[Exception], None]) -> None:
     """Step ``engine`` until ``stopping()``; each step's outputs go to ``on_outputs(seconds, outputs)``."""
     while not stopping():

@@ -22,9 +22,9 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from loraplex.integrations.asgi_bridge import ForwardedRequest, ResponseStart
 from loraplex.integrations.ray_config import RayServeConfig
-from loraplex.server.access import BearerAuthMiddleware
-from loraplex.server.errors import error_body, error_response
-from loraplex.server.keys import KeyTable
+from loraplex.server.openai.errors import error_body, error_response
+from loraplex.server.tenancy.access import BearerAuthMiddleware
+from loraplex.server.tenancy.keys import KeyTable
 
 logger = logging.getLogger(__name__)
 

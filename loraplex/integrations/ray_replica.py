@@ -20,13 +20,13 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from starlette.types import ASGIApp
 
-from loraplex.engine.engine import Engine
+from loraplex.client.inproc import AsyncEngine
 from loraplex.errors import AdapterNotFound, LoraplexError
 from loraplex.integrations.asgi_bridge import ForwardedRequest, Header, ResponseStart, call_asgi
 from loraplex.integrations.ray_config import AFFINITY_HEADER, REPLICA_HEADER, RayServeConfig
 from loraplex.server.app import create_app
-from loraplex.server.errors import ServerError, error_response, loraplex_error_response
 from loraplex.server.on_demand import AdapterRoots, OnDemandLoader
+from loraplex.server.openai.errors import ServerError, error_response, loraplex_error_response
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +53,11 @@ class EngineReplica:
             torch.set_num_threads(config.torch_threads)
         self.config = config
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.engine = Engine(config.engine)
-        for name, path in config.adapters:
-            self.engine.load_adapter(name, path)
+        self.async_engine = AsyncEngine.from_config(config.engine, config.adapters)
         self.startup = frozenset(name for name, _ in config.adapters)
         self.roots = AdapterRoots(config.adapter_roots)  # the single server's --load-on-demand code
         # Auth is checked once, at the ingress; runtime loads are replaced by lazy loading.
-        self.app = create_app(self.engine, served_model_name=config.served_model_name, api_key="")
-        self.async_engine = self.app.state.engine
+        self.app = create_app(self.async_engine, served_model_name=config.served_model_name, api_key="")
         self.async_engine.start()
         self.loader = OnDemandLoader(self.async_engine, self.roots)
         self.held: set[str] = set()  # adapters in this replica's Serve multiplexing set
@@ -70,7 +67,7 @@ class EngineReplica:
 
         self._hold = serve.multiplexed(max_num_models_per_replica=config.max_adapters_per_replica)(hold)
         logger.info("replica %s ready: %s, %d startup adapter(s), roots %s", self.replica_id,
-                    self.engine.model_name, len(self.startup), [str(r) for r in self.roots.roots])
+                    self.async_engine.model_name, len(self.startup), [str(r) for r in self.roots.roots])
 
     def __del__(self) -> None:
         self.async_engine.shutdown()
@@ -81,7 +78,7 @@ class EngineReplica:
             raise RuntimeError(f"replica {self.replica_id}: the engine's step loop is not running")
 
     def registered(self, name: str) -> bool:
-        return any(info.name == name for info in self.engine.list_adapters())
+        return self.async_engine.has_adapter(name)
 
     async def _register(self, name: str) -> _Held:
         """The multiplexed loader: register ``name`` in the engine unless it already is."""

@@ -31,14 +31,14 @@ _PADDED_ROW_COST = 1.2
 class BatchMapping:
     """What one step asks for: per token, an adapter id or None (base model)."""
 
-    token_adapter_ids: tuple[int | None, ...]
+    token_version_ids: tuple[int | None, ...]
 
     @classmethod
     def from_sequences(cls, seqs: Sequence[tuple[int | None, int]]) -> BatchMapping:
-        """``seqs[i] = (adapter_id, tokens_this_step)``, in batch order."""
+        """``seqs[i] = (version_id, tokens_this_step)``, in batch order."""
         tokens: list[int | None] = []
-        for adapter_id, n in seqs:
-            tokens.extend([adapter_id] * n)
+        for version_id, n in seqs:
+            tokens.extend([version_id] * n)
         return cls(tuple(tokens))
 
 
@@ -173,10 +173,10 @@ class LoRABatch:
 
 
 def build_lora_batch(mapping: BatchMapping, slot_of: Mapping[int, int], slot_version: int) -> LoRABatch:
-    """Derive slot indices. ``slot_of[adapter_id]`` must hold every id in the mapping (KeyError if not:
+    """Derive slot indices. ``slot_of[version_id]`` must hold every id in the mapping (KeyError if not:
     a request whose adapter is not resident must never be scheduled)."""
     token_slots = torch.tensor(
-        [-1 if a is None else slot_of[a] for a in mapping.token_adapter_ids], dtype=torch.int64
+        [-1 if a is None else slot_of[a] for a in mapping.token_version_ids], dtype=torch.int64
     )
     adapted = torch.nonzero(token_slots >= 0).flatten()
     sorted_slots, perm = torch.sort(token_slots[adapted], stable=True)

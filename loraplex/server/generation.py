@@ -7,10 +7,10 @@ it gets its real status code. An error after that (a streamed request whose adap
 is sent as a final ``data: {"error": ...}`` event. A client that disconnects, streamed or not,
 aborts its requests in the engine.
 
-Before submitting, the adapter version that will answer is routed (``EngineClient.route_adapter``: a
-split's pick or the name's current version) and every choice is pinned to it; the response names it:
-``system_fingerprint`` (in every streamed chunk too) is its content hash (the base model: the
-checkpoint's fingerprint) and the ``x-loraplex-adapter-version`` header its id (``v<id>``, or ``base``).
+The request arrives routed: its ``Version`` (decided once, first, by ``EngineClient.route``) prepared
+its prompts, is the one every choice is submitted on, and names the answer: ``system_fingerprint`` (in
+every streamed chunk too) is its content hash (the base model: the checkpoint's fingerprint) and the
+``x-loraplex-adapter-version`` header its id (``v<id>``, or ``base``).
 """
 
 from __future__ import annotations
@@ -20,23 +20,25 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from loraplex.engine.client import EngineClient, RequestStream
-from loraplex.engine.request import NO_TAGS, RequestOutput, RequestTags, SamplingParams
+from loraplex.client.base import EngineClient
+from loraplex.client.directory import Version
+from loraplex.client.output import RequestOutput
+from loraplex.client.stream import RequestStream
+from loraplex.engine.request import NO_TAGS, RequestTags, SamplingParams
 from loraplex.errors import LoraplexError, QueueFull, RequestError, UnknownAdapter
-from loraplex.server.errors import ServerError, error_body, loraplex_error_event, loraplex_error_response
 from loraplex.server.lifecycle import Guard, ServerLifecycle
 from loraplex.server.metrics import ServerMetrics
-from loraplex.server.responses import ResponseBuilder
+from loraplex.server.openai.errors import ServerError, error_body, loraplex_error_event, loraplex_error_response
+from loraplex.server.openai.responses import ResponseBuilder
 
 logger = logging.getLogger(__name__)
 
 VERSION_HEADER = "x-loraplex-adapter-version"
-BASE_VERSION = "base"  # the header's value for the base model
 
 
 @dataclass
@@ -44,18 +46,18 @@ class Generation:
     """One request to run: what to generate and how to answer."""
 
     builder: ResponseBuilder
-    prompts: list[str | list[int]]  # one or more; each gets params.n choices
+    prompts: list[list[int]]  # one or more, tokenized by ``version``; each gets params.n choices
     params: SamplingParams
-    adapter: str | None
+    version: Version  # the adapter version the request was routed to
     stream: bool
     include_usage: bool
-    prompt_param: str  # the field a too-long prompt is blamed on: "prompt" or "messages"
+    field_of: Callable[[str | None], str | None]  # the body field an engine refusal's param names
     user: str | None = None  # the client's end-user id, kept for metrics and tenancy
-    tags: RequestTags = NO_TAGS  # the caller's tenant and the request's priority (the version is routed here)
+    tags: RequestTags = NO_TAGS  # the caller's tenant and the request's priority
     on_end: Callable[[int], None] = lambda generated_tokens: None  # called once, when the request ends
 
     def observe(self, metrics: ServerMetrics, status: str, out: RequestOutput | None, timing: _Timing) -> None:
-        metrics.observe_request(self.adapter, status, out, timing.ttft, timing.decode, tenant=self.tags.tenant)
+        metrics.observe_request(self.version.name, status, out, timing.ttft, timing.decode, tenant=self.tags.tenant)
 
 
 class _Timing:
@@ -88,41 +90,30 @@ def model_not_found(model: str) -> ServerError:
                        "(see GET /v1/models)", "model")
 
 
-async def _route(engine: EngineClient, gen: Generation) -> tuple[RequestTags, str]:
-    """The tags pinning the answering version, and the version header; sets the builder's fingerprint."""
-    if gen.adapter is None:
-        gen.builder.system_fingerprint = await engine.base_fingerprint()
-        return gen.tags, BASE_VERSION
-    info = await engine.route_adapter(gen.adapter)
-    gen.builder.system_fingerprint = info.content_hash
-    return replace(gen.tags, adapter_version=info.adapter_id), f"v{info.adapter_id}"
-
-
 async def run_generation(engine: EngineClient, metrics: ServerMetrics, gen: Generation, request: Request,
                          lifecycle: ServerLifecycle) -> Response:
     """Submit, then answer; the request's streams are guarded by ``lifecycle`` (its timeout, the drain)."""
     timing = _Timing()
     choices = gen.params.choices()
-    items = [(f"{gen.builder.id}-{i * len(choices) + j}", prompt, params, gen.adapter)
+    items = [(f"{gen.builder.id}-{i * len(choices) + j}", prompt, params)
              for i, prompt in enumerate(gen.prompts) for j, params in enumerate(choices)]
     generated, streaming = 0, False
     try:
         try:
-            tags, version = await _route(engine, gen)
-            streams = await engine.submit_many(items, tags)
-        except UnknownAdapter as exc:
+            gen.builder.system_fingerprint = gen.version.content_hash or await engine.base_fingerprint()
+            streams = await engine.submit_many(items, gen.version, gen.tags)
+        except UnknownAdapter as exc:  # its version was unloaded since it was routed
             gen.observe(metrics, "rejected", None, timing)
             raise model_not_found(gen.builder.model) from exc
         except RequestError as exc:
             gen.observe(metrics, "rejected", None, timing)
-            if exc.param == "prompt":
-                exc.param = gen.prompt_param
+            exc.param = gen.field_of(exc.param)
             raise
         except QueueFull:  # 503 with Retry-After
             gen.observe(metrics, "rejected", None, timing)
             raise
         guard = lifecycle.guard(streams)
-        headers = {VERSION_HEADER: version}
+        headers = {VERSION_HEADER: gen.version.label}
         if gen.stream:
             streaming = True  # _events ends it
             return StreamingResponse(_events(streams, gen, metrics, timing, guard), media_type="text/event-stream",
@@ -211,42 +202,59 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
             task.cancel()
 
 
+class _Chunks:
+    """The streamed chunk of each new output of a request's choices (None when it brings nothing to send):
+    new text and its tokens' logprobs, per choice; choice 0 of a prompt carries its prompt logprobs."""
+
+    def __init__(self, builder: ResponseBuilder, choices: int) -> None:
+        self.builder = builder
+        self.latest: dict[int, RequestOutput] = {}
+        self.sent_tokens = [0] * choices  # generated tokens already sent, per choice
+        self.sent_text = [0] * choices  # characters already sent, per choice (legacy text_offset)
+
+    def chunk(self, index: int, out: RequestOutput) -> dict | None:
+        builder = self.builder
+        self.latest[index] = out
+        end = len(out.token_ids)
+        first = not builder.chat and self.sent_tokens[index] == 0 and self.sent_text[index] == 0
+        if not (out.delta_text or out.finished or (out.logprobs is not None and end > self.sent_tokens[index])
+                or (first and builder.echo)):
+            return None
+        if builder.chat:
+            choice = builder.chat_delta(index, out, self.sent_tokens[index], end, out.delta_text)
+            if choice is None:  # a tool-call choice: sent whole when it finishes
+                return None
+        else:
+            scored = self.latest.get(index - index % builder.n, out).prompt_logprobs
+            choice = builder.completion_choice(index, out, scored, self.sent_tokens[index], end, first,
+                                               out.delta_text, self.sent_text[index])
+            self.sent_text[index] += len(choice["text"])
+        choice["finish_reason"] = (choice["finish_reason"] or out.finish_reason) if out.finished else None
+        self.sent_tokens[index] = end
+        return builder.chunk(choice)
+
+
 async def _events(streams: list[RequestStream], gen: Generation, metrics: ServerMetrics, timing: _Timing,
                   guard: Guard) -> AsyncIterator[str]:
     """OpenAI chunks (each carrying one choice's new text and its tokens' logprobs), then ``data: [DONE]``.
     Cancellation (client gone) aborts every choice."""
     builder, status = gen.builder, "abort"
     finals: dict[int, RequestOutput] = {}
-    latest: dict[int, RequestOutput] = {}  # per choice; choice 0 of a prompt carries its prompt logprobs
-    sent_tokens = [0] * len(streams)  # generated tokens already sent, per choice
-    sent_text = [0] * len(streams)  # characters already sent, per choice (legacy text_offset)
+    chunks = _Chunks(builder, len(streams))
     try:
         if builder.chat:
             for index in range(len(streams)):
                 yield _sse(builder.role_chunk(index))
         async for index, out in _merged(streams):
             timing.saw(out)
-            latest[index] = out
             if out.finish_reason == "error":
+                chunks.latest[index] = out
                 status = "error"
                 yield _sse(loraplex_error_event(out.error or LoraplexError("generation failed")))
                 break
-            end = len(out.token_ids)
-            first = not builder.chat and sent_tokens[index] == 0 and sent_text[index] == 0
-            if out.delta_text or out.finished or (out.logprobs is not None and end > sent_tokens[index]) or (
-                    first and builder.echo):
-                if builder.chat:
-                    choice = builder.chat_delta(index, out, sent_tokens[index], end, out.delta_text)
-                    if choice is None:  # a tool-call choice: sent whole when it finishes
-                        continue
-                else:
-                    scored = latest.get(index - index % builder.n, out).prompt_logprobs
-                    choice = builder.completion_choice(index, out, scored, sent_tokens[index], end, first,
-                                                       out.delta_text, sent_text[index])
-                    sent_text[index] += len(choice["text"])
-                choice["finish_reason"] = (choice["finish_reason"] or out.finish_reason) if out.finished else None
-                sent_tokens[index] = end
-                yield _sse(builder.chunk(choice))
+            chunk = chunks.chunk(index, out)
+            if chunk is not None:
+                yield _sse(chunk)
             if out.finished:
                 finals[index] = out
         if len(finals) == len(streams):
@@ -271,4 +279,4 @@ async def _events(streams: list[RequestStream], gen: Generation, metrics: Server
             stream.abort()
         if status != "done":
             gen.observe(metrics, status, None, timing)
-        gen.on_end(sum(len(out.token_ids) for out in latest.values()))
+        gen.on_end(sum(len(out.token_ids) for out in chunks.latest.values()))

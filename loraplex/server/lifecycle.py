@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loraplex.engine.client import RequestStream
+from loraplex.client.base import RequestStream
 from loraplex.errors import LoraplexError, RequestTimedOut
-from loraplex.server.errors import error_response
+from loraplex.server.openai.errors import error_response
 
 UNGUARDED_PATHS = ("/health", "/metrics")  # answered during a drain, and not waited for
 

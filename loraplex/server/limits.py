@@ -14,7 +14,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplex.errors import RequestError
-from loraplex.server.errors import ServerError, error_response
+from loraplex.server.openai.errors import ServerError, error_response
 
 BYTES_PER_CONTEXT_TOKEN = 64
 MIN_DEFAULT_REQUEST_BYTES = 1 << 20

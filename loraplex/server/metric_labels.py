@@ -19,24 +19,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from loraplex.errors import UnknownAdapter
-
 BASE_LABEL = "base"  # the ``adapter`` label value of requests to the base model
 UNKNOWN_LABEL = "unknown"  # requests naming no loaded adapter
 FIXED_LABELS = frozenset({BASE_LABEL, UNKNOWN_LABEL})
-
-
-def loaded_check(client: Any) -> Callable[[str], bool]:
-    """``is_loaded(name)`` for an ``EngineClient``: an O(1) look-up that never waits on the engine."""
-
-    def is_loaded(name: str) -> bool:
-        try:
-            client.vocab_size_for(name)
-        except UnknownAdapter:
-            return False
-        return True
-
-    return is_loaded
 
 
 class AdapterLabels:

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from loraplex.engine.request import RequestOutput
+from loraplex.client.output import RequestOutput
 from loraplex.server.metric_labels import BASE_LABEL, AdapterLabels
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -34,12 +34,16 @@ _STAT_GAUGES = {
     "kv_blocks_total": ("loraplex_kv_blocks_total", "KV-cache blocks."),
     "prefix_cache_blocks": ("loraplex_prefix_cache_blocks", "KV blocks holding reusable (keyed) prefix K/V."),
 }
-_STAT_COUNTERS = {
+# AdapterCounters field -> (metric name, help); EngineStats.adapter_counters holds them.
+_ADAPTER_COUNTERS = {
     "loads": ("loraplex_adapter_loads", "Adapter loads from disk into host memory."),
     "device_evictions": ("loraplex_adapter_device_evictions", "Adapters evicted from device slots."),
     "host_evictions": ("loraplex_adapter_host_evictions", "Adapters evicted from host memory."),
     "device_hits": ("loraplex_adapter_device_hits", "Acquisitions served by an adapter already in a slot."),
     "host_hits": ("loraplex_adapter_host_hits", "Acquisitions served from host memory."),
+    "disk_reads": ("loraplex_adapter_disk_reads", "Background re-reads of adapters that had left host memory."),
+}
+_STAT_COUNTERS = {
     "prefix_cache_queried_tokens": ("loraplex_prefix_cache_queried_tokens",
                                     "Tokens of admitted requests looked up in the prefix cache."),
     "prefix_cache_hit_tokens": ("loraplex_prefix_cache_hit_tokens",
@@ -73,6 +77,8 @@ class EngineStatsCollector(Collector):
         yield GaugeMetricFamily("loraplex_adapter_slot_occupancy", "slots_in_use / max_loras.", value=occupancy)
         for field, (name, doc) in _STAT_COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=getattr(stats, field))
+        for field, (name, doc) in _ADAPTER_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=getattr(stats.adapter_counters, field))
         for field, (name, doc) in _PREFIX_BY_ADAPTER.items():
             family = CounterMetricFamily(name, doc, labels=["adapter"])
             for adapter, counts in sorted(stats.prefix_cache_by_adapter.items(), key=lambda kv: kv[0] or ""):

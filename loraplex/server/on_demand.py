@@ -18,10 +18,10 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
-from loraplex.engine.client import EngineClient
+from loraplex.client.base import EngineClient
 from loraplex.errors import AdapterAlreadyLoaded
-from loraplex.server.access import AdapterPathPolicy
-from loraplex.server.errors import ServerError
+from loraplex.server.openai.errors import ServerError
+from loraplex.server.tenancy.access import AdapterPathPolicy
 
 logger = logging.getLogger(__name__)
 

@@ -76,12 +76,12 @@ def test_replays_with_stale_tails_and_a_slot_write_between_steps(kernel_device: 
     activate(2)  # slots [1, 2]
     long = BatchMapping.from_sequences([(2, 17), (None, 3), (1, 16), (2, 1)])  # 37 tokens, 2 groups
     fill(long)
-    x, y_base, want = step(long.token_adapter_ids)
+    x, y_base, want = step(long.token_version_ids)
     assert torch.allclose(replay(x, y_base).double().cpu(), want, rtol=0, atol=1e-4)
 
     short = BatchMapping.from_sequences([(1, 1), (None, 1), (1, 1)])  # 3 tokens, 1 group: the tails empty
     fill(short)
-    x, y_base, want = step(short.token_adapter_ids)
+    x, y_base, want = step(short.token_version_ids)
     got = replay(x, y_base)
     assert torch.equal(got[1], y_base[1]), "the base-only row changed"
     assert torch.allclose(got.double().cpu(), want, rtol=0, atol=1e-4), "a stale tail was read"
@@ -98,7 +98,7 @@ def test_replays_with_stale_tails_and_a_slot_write_between_steps(kernel_device: 
     assert table.slots == [2, 1] and table.version > before
     with pytest.raises(StaleLoRAIndices):
         buffers.check(table.version)  # a replay without a refill is refused ...
-    x, y_base, want = step(seed_mapping.token_adapter_ids)
+    x, y_base, want = step(seed_mapping.token_version_ids)
     assert not torch.allclose(replay(x, y_base).double().cpu(), want, rtol=0, atol=1e-4)  # ... it would swap them
     fill(seed_mapping)  # the same mapping, derived again at the new version
     assert torch.allclose(replay(x, y_base).double().cpu(), want, rtol=0, atol=1e-4)

@@ -1,0 +1,47 @@
+"""Content keys of full KV blocks: a hash chain over (parent key, the block's token ids, adapter version).
+
+The K/V of a block depends on every token before it (through attention), on its own tokens and their
+positions, and on the weights that computed it: the base model (one per engine) and the adapter
+*version* (a runtime reload gets a new id, so its blocks get new keys; a name is never part of a key).
+Block ``i``'s key digests block ``i-1``'s key (positions and the whole prefix), its ``block_size`` token
+ids and the version, so two blocks share a key only if everything their K/V depends on is equal.
+
+The encoding is canonical (fixed-width fields, the token count in front of the tokens, a tag that
+tells the base model from every adapter id) and the digest is SHA-256, so keys cannot be made to
+collide by choosing prompts (unlike a fast non-cryptographic hash of the tokens).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+ROOT = bytes(32)  # the parent key of a sequence's first block
+_BASE = b"\x00" + bytes(8)  # the base model; adapter versions are b"\x01" + their id
+
+
+def version_tag(version_id: int | None) -> bytes:
+    """The canonical 9-byte encoding of an adapter version (None = the base model)."""
+    return _BASE if version_id is None else b"\x01" + version_id.to_bytes(8, "little", signed=True)
+
+
+def block_key(parent: bytes, token_ids: Sequence[int], version_id: int | None) -> bytes:
+    """The 32-byte key of one full block: SHA-256 of ``parent | version | len | tokens (int64)``."""
+    tokens = array("q", token_ids)
+    if tokens.itemsize != 8:
+        raise RuntimeError("array('q') is not 64-bit on this platform")
+    h = hashlib.sha256(parent)
+    h.update(version_tag(version_id))
+    h.update(len(tokens).to_bytes(4, "little"))
+    h.update(tokens.tobytes())
+    return h.digest()
+
+
+def extend_chain(keys: list[bytes], token_ids: Sequence[int], version_id: int | None, block_size: int) -> list[bytes]:
+    """Append to ``keys`` (the keys of ``token_ids``' first ``len(keys)`` blocks) the keys of its
+    remaining full blocks; returns ``keys``. A partial last block has no key."""
+    for i in range(len(keys), len(token_ids) // block_size):
+        parent = keys[i - 1] if i else ROOT
+        keys.append(block_key(parent, token_ids[i * block_size:(i + 1) * block_size], version_id))
+    return keys

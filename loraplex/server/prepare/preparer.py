@@ -1,0 +1,141 @@
+"""Request preparation off the event loop: ``RequestPreparer``, a pool of workers that run
+``prepare/worker.PrepareWorker`` (parse and validate a generation body and check its limits; then, with
+the adapter version the request was routed to, render the chat template and tokenize; ``/tokenize`` and
+``/detokenize``).
+
+The event loop reads a generation request's (size-bounded) body and hands the bytes to the preparer,
+which parses it in a worker; the event loop routes the body's ``model`` to a ``Version`` (once:
+``EngineClient.route``); a worker then prepares the prompts with that version. Errors come back as what
+to answer with: a malformed body becomes the ``RequestValidationError`` FastAPI would have raised,
+anything else a ``RequestError`` naming the field.
+
+Workers are threads (``processes=0``, for in-process engines: the tokenizer releases the GIL while
+it encodes) or processes (``loraplex serve``: JSON parsing, pydantic validation and chat templates
+hold the GIL, so in a thread a 100k-message chat would stall the event loop, and every stream with
+it, for as long as it takes). A thread gets the routed ``Version`` with its tokenizer object; a process
+gets it portable and reads that version's tokenizer once (``client/tokenizers.VersionTokenizers``).
+Each worker process has its own tokenizers, runs at a lower priority
+(``WORKER_NICENESS``), exits with the server (it watches its parent) and ignores SIGINT (the server
+coordinates shutdown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import get_context
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+
+from loraplex.client.directory import Version
+from loraplex.client.tokenizers import VersionTokenizers
+from loraplex.server.openai.errors import ServerError
+from loraplex.server.prepare.worker import InvalidBody, Parsed, PrepareConfig, Prepared, PrepareWorker
+
+logger = logging.getLogger(__name__)
+
+# Worker processes yield the CPU to the engine's step loop and the event loop: one request's
+# preparation (a huge body's parse, a long chat template) waits; the streams in flight do not.
+WORKER_NICENESS = 10
+
+
+_local = threading.local()  # each worker's PrepareWorker
+
+
+def _init_thread(config: PrepareConfig, base: Any) -> None:
+    _local.worker = PrepareWorker(config, VersionTokenizers(base))
+
+
+def _init_process(config: PrepareConfig, parent_pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.nice(WORKER_NICENESS)
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    base = None
+    if config.tokenizer_path is not None:
+        from transformers import AutoTokenizer
+
+        base = AutoTokenizer.from_pretrained(config.tokenizer_path)
+    _local.worker = PrepareWorker(config, VersionTokenizers(base))
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(0)
+
+
+def _run(kind: str, *args: Any) -> Any:
+    return getattr(_local.worker, kind)(*args)
+
+
+class RequestPreparer:
+    """``processes`` worker processes, or (0) ``threads`` worker threads. ``base_tokenizer``: the base model's
+    tokenizer for thread workers (processes load it from ``config.tokenizer_path``)."""
+
+    def __init__(self, config: PrepareConfig, base_tokenizer: Any = None, processes: int = 0,
+                 threads: int = 2) -> None:
+        self.config, self.base_tokenizer, self.processes, self.threads = config, base_tokenizer, processes, threads
+        self._pool = self._new_pool()
+
+    def _new_pool(self) -> Executor:
+        if self.processes:
+            return ProcessPoolExecutor(self.processes, mp_context=get_context("spawn"), initializer=_init_process,
+                                       initargs=(self.config, os.getpid()))
+        return ThreadPoolExecutor(self.threads, thread_name_prefix="loraplex-prepare", initializer=_init_thread,
+                                  initargs=(self.config, self.base_tokenizer))
+
+    async def warm_up(self) -> None:
+        """Start every worker now (processes load their tokenizer), not on the first requests."""
+        await asyncio.gather(*(self._run("warm_up") for _ in range(self.processes or self.threads)))
+
+    async def parse_completion(self, raw: bytes) -> Parsed:
+        light = bool(self.processes)
+        return Parsed(await self._run("parse_completion", raw, light), raw, light)
+
+    async def parse_chat(self, raw: bytes) -> Parsed:
+        light = bool(self.processes)
+        return Parsed(await self._run("parse_chat", raw, light), raw, light)
+
+    async def completion(self, parsed: Parsed, version: Version, default_max_tokens: int) -> Prepared:
+        return await self._run("completion", self._light(parsed), self._job(version), default_max_tokens)
+
+    async def chat(self, parsed: Parsed, version: Version) -> Prepared:
+        return await self._run("chat", self._light(parsed), self._job(version))
+
+    @staticmethod
+    def _light(parsed: Parsed) -> Parsed:
+        """What goes back into a worker: the raw bytes alone when the body is light (the worker parses them)."""
+        return Parsed(None, parsed.raw, True) if parsed.light else parsed
+
+    async def tokenize(self, body: Any, version: Version) -> tuple[list[int], list[str] | None]:
+        return await self._run("tokenize", body, self._job(version))
+
+    async def detokenize(self, tokens: list[int], version: Version) -> str:
+        return await self._run("detokenize", tokens, self._job(version))
+
+    def _job(self, version: Version) -> Version:
+        """The version as a job carries it: whole to a thread, portable to a process."""
+        return version.portable() if self.processes else version
+
+    async def _run(self, kind: str, *args: Any) -> Any:
+        try:
+            return await asyncio.wrap_future(self._pool.submit(_run, kind, *args))
+        except InvalidBody as exc:
+            raise RequestValidationError(exc.errors) from None
+        except BrokenProcessPool:
+            logger.error("a request-preparation worker process died; starting new ones")
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = self._new_pool()
+            raise ServerError(503, "a request-preparation worker died while preparing this request; "
+                              "retry it") from None
+
+    def shutdown(self) -> None:
+        """Stop the workers (blocking until they exited)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)

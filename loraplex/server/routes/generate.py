@@ -1,0 +1,79 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions`` (both streamable).
+
+One path for both: parse the body in a worker → route its ``model`` to a version once
+(``ServerContext.route``) → prepare the prompts with that version's tokenizer and chat template (a worker
+again) → admit the caller's lease (tenant limits) → ``run_generation`` submits every choice on that
+version and answers whole or as server-sent events.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from loraplex.client.directory import Version
+from loraplex.engine.request import RequestTags
+from loraplex.server.context import context
+from loraplex.server.generation import Generation, run_generation
+from loraplex.server.openai.openapi import GENERATION_ERRORS, documented
+from loraplex.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from loraplex.server.openai.responses import ResponseBuilder
+from loraplex.server.openai.schemas import ChatCompletionResponse, CompletionResponse
+from loraplex.server.prepare.worker import Prepared
+from loraplex.server.tenancy.access import caller
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+router = APIRouter()
+
+
+def tenancy(request: Request, body: Any, prepared: Prepared) -> dict[str, Any]:
+    """The caller's ``Generation`` fields: tenant and priority, and a lease within its limits (else 429;
+    ``run_generation`` ends it)."""
+    key = caller(request)
+    lease = context(request).quotas.admit(key, sum(len(p) for p in prepared.prompt_token_ids))
+    return {"tags": RequestTags(key.tenant, body.priority or 0), "on_end": lease.release}
+
+
+@router.post("/v1/completions", response_model=None,
+             responses=documented(CompletionResponse, *GENERATION_ERRORS, stream=True))
+async def completions(request: Request) -> Response:
+    ctx = context(request)
+    parsed = await ctx.preparer.parse_completion(await request.body())
+    body: CompletionRequest = parsed.body
+    version = await ctx.route(request, body.model)
+    prepared = await ctx.preparer.completion(parsed, version, COMPLETION_DEFAULT_MAX_TOKENS)
+    params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
+    gen = Generation(
+        builder=ResponseBuilder(chat=False, model=body.model, tokens=ctx.token_texts(version), n=params.n,
+                                echo=bool(body.echo), prompt_texts=prepared.prompt_texts,
+                                show_prompt_logprobs=body.prompt_logprobs is not None),
+        prompts=prepared.prompt_token_ids, params=params, version=version, stream=bool(body.stream),
+        include_usage=body.include_usage, field_of=body.field_of, user=body.user,
+        **tenancy(request, body, prepared),
+    )
+    return await run_generation(ctx.client, ctx.metrics, gen, request, ctx.lifecycle)
+
+
+@router.post("/v1/chat/completions", response_model=None,
+             responses=documented(ChatCompletionResponse, *GENERATION_ERRORS, stream=True))
+async def chat_completions(request: Request) -> Response:
+    ctx = context(request)
+    parsed = await ctx.preparer.parse_chat(await request.body())
+    body: ChatCompletionRequest = parsed.body
+    version: Version = await ctx.route(request, body.model)
+    prepared = await ctx.preparer.chat(parsed, version)  # the version's own chat template
+    prompt_ids = prepared.prompt_token_ids[0]
+    params = body.sampling_params(max(ctx.client.max_model_len - len(prompt_ids), 1))  # default: the rest
+    gen = Generation(
+        builder=ResponseBuilder(chat=True, model=body.model, tokens=ctx.token_texts(version), n=params.n,
+                                show_prompt_logprobs=body.prompt_logprobs is not None,
+                                tool_parser=body.tool_parser()),
+        prompts=[prompt_ids], params=params, version=version, stream=bool(body.stream),
+        include_usage=body.include_usage, field_of=body.field_of, user=body.user or body.safety_identifier,
+        **tenancy(request, body, prepared),
+    )
+    return await run_generation(ctx.client, ctx.metrics, gen, request, ctx.lifecycle)
