@@ -58,14 +58,14 @@ OLMOE_SHAPES = dict(vocab_size=50304, hidden_size=2048, num_attention_heads=16, 
 EXPERTS = dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=1024, norm_topk_prob=False)
 
 
-def write_checkpoint(folder: Path, config: Qwen3Config | Qwen3MoeConfig, keep: bool) -> torch.nn.Module | None:
-    """A random-weight checkpoint of ``config`` in ``folder`` (SmolLM2's tokenizer beside it); the HF model
-    itself when ``keep``."""
+def write_checkpoint(folder: Path, config: Qwen3Config | Qwen3MoeConfig) -> None:
+    """A random-weight checkpoint of ``config`` in ``folder`` (SmolLM2's tokenizer beside it)."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(embedded_checkpoint()).save_pretrained(folder)
-    return model if keep else None
+    del model
+    gc.collect()
 
 
 def write_expert_adapter(folder: Path, base: Path, rank: int, seed: int, b_std: float = 0.05) -> Path:
@@ -164,12 +164,13 @@ def grouping_overhead(llm: LLM, batch: int, adapters: bool) -> dict:
 
 
 def build(root: Path, args: argparse.Namespace) -> tuple[dict, torch.nn.Module | None, list[str]]:
-    """The checkpoints, adapters and engines (name -> LLM), and the HF model."""
+    """The checkpoints, adapters and engines (name -> LLM), and the HF model (loaded last: each engine's float
+    weights are gone by then, so only one float copy of the model is ever resident at a time)."""
     moe_dir, dense_dir = root / "moe", root / "dense"
-    hf = write_checkpoint(moe_dir, Qwen3MoeConfig(**OLMOE_SHAPES, **EXPERTS, num_hidden_layers=args.layers,
-                                                  intermediate_size=8 * 1024), keep=not args.no_hf)
+    write_checkpoint(moe_dir, Qwen3MoeConfig(**OLMOE_SHAPES, **EXPERTS, num_hidden_layers=args.layers,
+                                             intermediate_size=8 * 1024))
     write_checkpoint(dense_dir, Qwen3Config(**OLMOE_SHAPES, num_hidden_layers=args.layers,
-                                            intermediate_size=EXPERTS["num_experts_per_tok"] * 1024), keep=False)
+                                            intermediate_size=EXPERTS["num_experts_per_tok"] * 1024))
     names = [f"a{i}" for i in range(32)]
     folders = {name: write_expert_adapter(root / name, moe_dir, args.rank, seed=i) for i, name in enumerate(names)}
     common = dict(max_lora_rank=args.rank, kv_cache_blocks=256, enable_prefix_caching=False,
@@ -180,6 +181,8 @@ def build(root: Path, args: argparse.Namespace) -> tuple[dict, torch.nn.Module |
         engines["moe_f32"] = LLM(model=str(moe_dir), max_loras=1, **common)
     for name, folder in folders.items():
         engines["moe_int8"].load_adapter(name, folder)
+    gc.collect()
+    hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
     return engines, hf, names
 
 

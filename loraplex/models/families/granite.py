@@ -20,7 +20,7 @@ import torch
 
 from loraplex.config import ModelConfig
 from loraplex.errors import ModelError
-from loraplex.models.llama import LlamaForCausalLM
+from loraplex.models.families.llama import LlamaForCausalLM
 from loraplex.ops.lora_batch import LoRABatch
 
 MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")

@@ -23,8 +23,8 @@ from typing import Any
 from loraplex.config import ExpertConfig, ModelConfig, Projection
 from loraplex.errors import ModelError
 from loraplex.layers.moe import MoEExperts, SparseMoE
-from loraplex.models.llama import LlamaForCausalLM
-from loraplex.models.qwen3 import Qwen3ForCausalLM
+from loraplex.models.families.llama import LlamaForCausalLM
+from loraplex.models.families.qwen3 import Qwen3ForCausalLM
 
 
 def expert_projections(cfg: ModelConfig, experts: ExpertConfig, container: str) -> dict[str, Projection]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loraplex.config import ModelConfig, Projection
-from loraplex.models.llama import LlamaForCausalLM
+from loraplex.models.families.llama import LlamaForCausalLM
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ from torch import nn
 
 from loraplex.config import ExpertConfig, Projection
 from loraplex.layers.moe import MoEExperts, SparseMoE
-from loraplex.models.granite import GraniteConfig, GraniteMultipliers
-from loraplex.models.llama import LlamaForCausalLM
-from loraplex.models.qwen3_moe import attention_projections, expert_projections
+from loraplex.models.families.granite import GraniteConfig, GraniteMultipliers
+from loraplex.models.families.llama import LlamaForCausalLM
+from loraplex.models.families.qwen3_moe import attention_projections, expert_projections
 
 
 @dataclass(frozen=True)

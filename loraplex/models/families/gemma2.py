@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
+from loraplex.models.families.gemma3 import Gemma3Config, Gemma3ForCausalLM
 
 # What Gemma2Config assumes for a key a config.json leaves out (layers alternate: sliding first)
 _HF_DEFAULTS = {"hidden_activation": "gelu_pytorch_tanh", "head_dim": 256, "query_pre_attn_scalar": 256,

@@ -16,7 +16,7 @@ from typing import Any
 
 from loraplex.config import ModelConfig
 from loraplex.errors import ModelError
-from loraplex.models.llama import LlamaForCausalLM
+from loraplex.models.families.llama import LlamaForCausalLM
 
 
 @dataclass(frozen=True)

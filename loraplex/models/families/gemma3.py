@@ -30,7 +30,7 @@ from loraplex.layers.rotary import RotaryEmbedding
 from loraplex.layers.self_attention import SelfAttention
 from loraplex.layers.softcap import soft_cap
 from loraplex.models.base import CausalLM
-from loraplex.models.llama import LlamaForCausalLM
+from loraplex.models.families.llama import LlamaForCausalLM
 from loraplex.ops.lora_batch import LoRABatch
 
 # What Gemma3TextConfig assumes for a key a config.json leaves out
