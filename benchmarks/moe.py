@@ -4,16 +4,17 @@ equal active parameters and HF transformers ``generate``, all in one run.
 The model: ``Qwen3MoeForCausalLM`` with OLMoE-1B-7B's per-layer shapes (hidden 2048, 16 heads of 128, 64
 experts of width 1024, top 8, vocabulary 50304; OLMoE's own attention normalises q/k over the whole
 projection where Qwen3-MoE's does per head, the same FLOPs) and random weights, ``--layers`` of OLMoE's 16
-(default 2, so that HF's float32 copy, loraplex's float32 and int8 engines and 32 adapters fit this machine's
-memory next to other jobs). Its dense equivalent: ``Qwen3ForCausalLM`` with the same attention and an MLP of
-width 8 x 1024 (the active expert parameters per token), same layers.
+(default 1: HF's float32 copy, loraplex's int8 engines and 32 adapters then take ~6 GiB of this shared 23 GiB
+machine, ~10 GiB at 2 layers; ``--float`` adds loraplex's float32 engine, another ~2.5 GiB a layer). Its
+dense equivalent: ``Qwen3ForCausalLM`` with the same attention and an MLP of width 8 x 1024 (the active
+expert parameters per token), same layers.
 
 Workloads (greedy, EOS ignored, ``--tokens`` new tokens from 16-token prompts), every engine built first, then
 ``--repeats`` interleaved rounds; the table gives the median tok/s [range] and the median pure-decode step:
 
 - MoE int8: batch 1 (base; one adapter), batch 32 (base; 8 adapters; 32 adapters, max_loras 32); adapters are
   rank-``--rank`` LoRA on every expert's gate_up and down (PEFT's ``target_parameters`` layout);
-- MoE float32 (loraplex), batch 1 and 32, base: the same precision as HF's;
+- MoE float32 (loraplex), batch 1 and 32, base, with ``--float``: the same precision as HF's;
 - dense equivalent int8, batch 1 and 32, base;
 - HF ``generate`` float32 on the MoE checkpoint, batch 1 and 32.
 
@@ -24,8 +25,8 @@ routing's expert matmuls alone; and the decode step over every layer's expert ma
 ``--threads 1 --clock thread`` times everything in this thread's CPU seconds (tok/s per CPU second): on a
 shared, loaded host that is the comparison that holds (wall time there counts other jobs' time).
 
-    python -m benchmarks.moe [--layers 2] [--tokens 32] [--repeats 3] [--rank 8] [--threads 2]
-        [--clock wall|thread] [--no-hf] [--no-float] [--out results.json]
+    python -m benchmarks.moe [--layers 1] [--tokens 32] [--repeats 3] [--rank 8] [--threads 2]
+        [--clock wall|thread] [--no-hf] [--float] [--out results.json]
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ def build(root: Path, args: argparse.Namespace) -> tuple[dict, torch.nn.Module |
                   num_threads=args.threads)
     engines = {"moe_int8": LLM(model=str(moe_dir), max_loras=32, max_cpu_loras=32, quantization="int8", **common),
                "dense_int8": LLM(model=str(dense_dir), max_loras=1, quantization="int8", **common)}
-    if not args.no_float:
+    if args.float:
         engines["moe_f32"] = LLM(model=str(moe_dir), max_loras=1, **common)
     for name, folder in folders.items():
         engines["moe_int8"].load_adapter(name, folder)
@@ -213,7 +214,7 @@ def workloads(engines: dict, hf: torch.nn.Module | None, names: list[str], token
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rank", type=int, default=8)
@@ -221,7 +222,7 @@ def main() -> None:
     parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
                         help="thread: this thread's CPU time (needs --threads 1)")
     parser.add_argument("--no-hf", action="store_true", help="skip HF generate (its float32 copy of the model)")
-    parser.add_argument("--no-float", action="store_true", help="skip loraplex's float32 MoE engine")
+    parser.add_argument("--float", action="store_true", help="also loraplex's float32 MoE engine")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     CLOCK[0] = step_clock(parser, args)
