@@ -127,7 +127,12 @@ def test_grouped_experts_match_float64_loop(tokens: int, kernels: str, weights_a
     slots = [rng.choice([-1, 0, 1, 2]) for _ in range(tokens)]
     slots[0] = 1  # every case has an adapter with both projections
     lora = lora_batch_from_slots(torch.tensor(slots), 0)
+    calls: list[tuple[str, int]] = []
+    matmul = moe._matmul
+    moe._matmul = lambda which, e, rows: calls.append((which, e)) or matmul(which, e, rows)
     got = moe(x, group_by_expert(experts, weights, E), lora)
+    hit = sorted(set(experts.flatten().tolist()))  # each expert hit: one matmul per projection; the idle one none
+    assert sorted(calls) == [(w, e) for w in ("down", "gate_up") for e in hit]
     expect = loop_reference(moe.dense_weights(), adapters, x, experts, weights, slots)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), expect, rtol=0, atol=2e-5 * float(expect.abs().max()))
