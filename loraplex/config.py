@@ -23,11 +23,36 @@ LORA_KERNELS = ("auto", "torch", "sgmv", "triton")
 
 @dataclass(frozen=True)
 class Projection:
-    """One adaptable linear layer of a decoder block: ``layers.N.<parent>.<name>`` in HF and PEFT names."""
+    """One adaptable linear layer of a decoder block: ``layers.N.<parent>.<name>`` in HF and PEFT names.
+    With ``experts > 0`` it is a mixture-of-experts' stacked parameter (``mlp.experts.gate_up_proj``):
+    one ``in_features -> out_features`` matrix per expert, adapted per expert (PEFT's ``target_parameters``)."""
 
-    parent: str  # "self_attn" or "mlp"
+    parent: str  # "self_attn", "mlp" or an experts container ("mlp.experts")
     in_features: int
     out_features: int
+    experts: int = 0  # > 0: a stacked expert parameter, one LoRA pair per expert
+
+
+@dataclass(frozen=True)
+class ExpertConfig:
+    """A sparse mixture-of-experts MLP, normalised once (``layers.moe`` computes it).
+
+    ``routing``: "softmax_topk" (Qwen3-MoE, OLMoE: ``p = softmax(logits)``, top-k of p, renormalised to sum
+    1 when ``normalize_top_k``) or "topk_softmax" (GraniteMoE: top-k of the logits, softmax over those k)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    routing: str
+    normalize_top_k: bool = False
+
+    ROUTINGS: ClassVar[tuple[str, ...]] = ("softmax_topk", "topk_softmax")
+
+    def __post_init__(self) -> None:
+        if self.routing not in self.ROUTINGS:
+            raise ModelError(f"unsupported expert routing {self.routing!r}; supported: {', '.join(self.ROUTINGS)}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ModelError(f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]")
 
 
 def read_hf_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
@@ -134,6 +159,7 @@ class ModelConfig:
     hidden_act: str = "silu"  # the gated MLP's activation (HF's name)
     sliding_window: int | None = None  # keys a "sliding_attention" layer sees: positions (p - W, p]
     layer_types: tuple[str, ...] = ()  # per layer, one of LAYER_TYPES; () = all full attention
+    partial_rotary_factor: float = 1.0  # rotary on the first int(head_dim * factor) dims of each head (Phi-4-mini)
 
     LAYER_TYPES: ClassVar[tuple[str, ...]] = ("full_attention", "sliding_attention")
 
@@ -146,8 +172,13 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ModelError(f"sliding_window must be >= 1, got {self.sliding_window}")
         s = self.rope_scaling
-        if s.rope_type == "longrope" and not len(s.short_factor) == len(s.long_factor) == self.head_dim // 2:
-            raise ModelError(f"longrope needs short_factor and long_factor of head_dim / 2 = {self.head_dim // 2} "
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
+            raise ModelError(f"partial_rotary_factor={self.partial_rotary_factor} must give an even rotary dimension "
+                             f"in (0, head_dim={self.head_dim}], got {self.rotary_dim}")
+        half = self.rotary_dim // 2
+        if s.rope_type == "longrope" and not len(s.short_factor) == len(s.long_factor) == half:
+            what = "head_dim / 2" if self.rotary_dim == self.head_dim else "the rotary dimension / 2"
+            raise ModelError(f"longrope needs short_factor and long_factor of {what} = {half} "
                              f"entries each, got {len(s.short_factor)} and {len(s.long_factor)}")
 
     @classmethod
@@ -187,7 +218,14 @@ class ModelConfig:
             hidden_act=str(raw.get("hidden_act") or raw.get("hidden_activation") or "silu"),
             sliding_window=window,
             layer_types=_layer_types(raw, int(raw["num_hidden_layers"]), window),
+            partial_rotary_factor=float(_rope_parameters(raw).get("partial_rotary_factor")
+                                        or raw.get("partial_rotary_factor") or 1.0),
         )
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that rotary embeddings rotate (the first ones; HF's ``int(d * factor)``)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of block ``layer``; None for full (causal) attention."""
@@ -213,6 +251,13 @@ class ModelConfig:
             "up_proj": Projection("mlp", h, i),
             "down_proj": Projection("mlp", i, h),
         }
+
+    def parameter_targets(self) -> dict[str, tuple[tuple[str, str], ...]]:
+        """Parameters PEFT adapts through ``target_parameters`` (a ``ParamWrapper`` per parameter, nested in
+        this order around the module): module path inside a block -> ``(parameter, projection name)`` pairs,
+        e.g. ``{"mlp.experts": (("gate_up_proj", "gate_up_proj"), ("down_proj", "down_proj"))}``; empty for
+        a dense family."""
+        return {}
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,9 @@ def test_unsupported_architecture_is_named(tmp_path: Path, tiny_llama: Path) -> 
     with pytest.raises(ModelError, match="'GPT2LMHeadModel'"):
         model_class("GPT2LMHeadModel")
     assert set(supported_architectures()) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                              "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"}
+                                              "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
+                                              "Gemma2ForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM",
+                                              "Qwen3MoeForCausalLM", "GraniteMoeForCausalLM"}
     raw = json.loads((tiny_llama / "config.json").read_text())
     raw["architectures"] = ["FalconForCausalLM"]
     with pytest.raises(ModelError, match="'FalconForCausalLM'"):

@@ -13,7 +13,7 @@ from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.engine.scheduler.block_manager import BlockManager
 from loraplex.layers.lora_linear import LoRALinear, use_lora_kernels
-from loraplex.models.llama import LlamaForCausalLM
+from loraplex.models.families.llama import LlamaForCausalLM
 from loraplex.models.registry import model_config
 
 

@@ -17,6 +17,10 @@ the window. Entries with several tokens (prefills or prefill chunks) each get th
 fresh prompt (start 0) attends to its own new K/V directly (causal, in query chunks that read only the
 keys they can see; or with a windowed mask once it is longer than the window), a chunk that continues
 a sequence gathers its context's block rows with an offset (and windowed) mask.
+
+Soft-capped attention (Gemma 2; ``softcap`` set) computes ``scores = tanh(scale * q.k / cap) * cap``
+before the mask, as HF's eager attention does: SDPA and the CPU kernels cannot, so its one-token entries
+take the gather path and its multi-token entries one eager attention each.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from functools import cached_property, lru_cache
 import torch
 import torch.nn.functional as F
 
+from loraplex.layers.softcap import soft_cap
 from loraplex.ops import cpu_kernels
 
 
@@ -120,25 +125,45 @@ class AttentionMetadata:
         return self.plans[window]
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, keys: DecodeKeys, scale: float) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, keys: DecodeKeys, scale: float,
+                      softcap: float | None = None) -> torch.Tensor:
     """One-token entries: ``q [S_d, H, d]`` -> ``[S_d, H, d]``.
 
     Semantics, per sequence s and K/V head k with query heads ``g = k*G .. k*G+G-1``:
-    ``scores = scale * q[s, g] @ K[s, k]^T``, ``out[s, g] = softmax(scores) @ V[s, k]``, over the keys at
-    positions ``[keys.first[s], keys.end[s])``: read in place by the CPU kernel, else gathered
-    (``keys.gather``: padded to the longest, the bias hiding the padding).
+    ``scores = scale * q[s, g] @ K[s, k]^T`` (then ``tanh(scores / softcap) * softcap`` when given),
+    ``out[s, g] = softmax(scores) @ V[s, k]``, over the keys at positions ``[keys.first[s], keys.end[s])``:
+    read in place by the CPU kernel (not soft-capped), else gathered (``keys.gather``: padded to the
+    longest, the bias hiding the padding).
     """
-    kernels = cpu_kernels.for_tensors(q, kv_cache)
+    kernels = cpu_kernels.for_tensors(q, kv_cache) if softcap is None else None
     if kernels is not None:
         return kernels.paged_decode_attention(q, kv_cache, keys.block_tables, keys.first, keys.end, scale)
     s_d, heads, d = q.shape
     kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
     rows, bias = keys.gather
     kv = kv_cache.view(-1, block_size * d).index_select(0, rows).view(2, s_d * kv_heads, -1, d)
-    scores = torch.baddbmm(  # [S_d * KV, G, max_ctx]
-        bias, q.reshape(s_d * kv_heads, heads // kv_heads, d), kv[0].transpose(1, 2), alpha=scale
-    )
+    q_g = q.reshape(s_d * kv_heads, heads // kv_heads, d)
+    if softcap is None:
+        scores = torch.baddbmm(bias, q_g, kv[0].transpose(1, 2), alpha=scale)  # [S_d * KV, G, max_ctx]
+    else:
+        scores = soft_cap(torch.bmm(q_g, kv[0].transpose(1, 2)) * scale, softcap) + bias
     return torch.bmm(scores.softmax(-1), kv[1]).view(s_d, heads, d)
+
+
+def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                     softcap: float) -> torch.Tensor:
+    """Soft-capped attention of one entry, HF's eager order: ``q [1, H, n, d]``, ``k/v [1, KV, m, d]``, ``mask``
+    ``[n, m]`` bool (True = attend; None = causal, the n queries being the last n of the m keys) ->
+    ``[1, H, n, d]``. Semantics: ``softmax(tanh(scale * q k^T / softcap) * softcap + mask_bias) v`` (K/V head
+    ``h // (H / KV)``)."""
+    n, m = q.shape[2], k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = soft_cap(torch.matmul(q, k.transpose(2, 3)) * scale, softcap)  # [1, H, n, m]
+    if mask is None:
+        mask = torch.arange(m, device=q.device)[None, :] <= torch.arange(m - n, m, device=q.device)[:, None]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
 
 
 # A fresh prompt's causal attention runs in query chunks of this many rows, chunk i reading only the keys up
@@ -174,11 +199,14 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return out
 
 
-def _context_attention(q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan, scale: float) -> torch.Tensor:
+def _context_attention(q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan, scale: float,
+                       softcap: float | None = None) -> torch.Tensor:
     """A chunk continuing a sequence: ``q [1, H, n, d]`` attends to its gathered context under ``span.mask``."""
     kv_heads, block_size, d = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
     ctx = span.mask.shape[1]
     kv = kv_cache.view(-1, block_size * d).index_select(0, span.context_rows).view(2, 1, kv_heads, -1, d)
+    if softcap is not None:
+        return _eager_attention(q, kv[0, :, :, :ctx], kv[1, :, :, :ctx], span.mask, scale, softcap)
     return F.scaled_dot_product_attention(q, kv[0, :, :, :ctx], kv[1, :, :, :ctx], attn_mask=span.mask,
                                           scale=scale, enable_gqa=True)
 
@@ -208,20 +236,22 @@ def paged_attention(
     attn: AttentionMetadata,
     window: int | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend.
 
     Semantics: ``cache_token_rows[write_rows] = stack(k, v)``; then for each token t of a sequence,
-    ``out[t, h] = softmax(scale * q[t, h] . K_ctx^T) V_ctx`` over the sequence's keys at positions p with
+    ``out[t, h] = softmax(c(scale * q[t, h] . K_ctx^T)) V_ctx`` over the sequence's keys at positions p with
     ``pos(t) - window < p <= pos(t)`` (no lower bound when ``window`` is None), K/V head ``h // (H / KV)``
-    (GQA); ``scale`` defaults to ``1 / sqrt(d)``. ``attn`` must hold a plan for ``window``.
+    (GQA); ``scale`` defaults to ``1 / sqrt(d)``; ``c(s) = tanh(s / softcap) * softcap`` when ``softcap`` is
+    given, else ``c(s) = s``. ``attn`` must hold a plan for ``window``.
     Shapes: q ``[T, H, d]``, k/v ``[T, KV, d]``, kv_cache ``[blocks, 2, KV, block_size, d]`` (changed in
     place) -> ``[T, H, d]``.
     """
     t, heads, d = q.shape
     scale = d**-0.5 if scale is None else scale
     plan = attn.plan(window)
-    kernels = cpu_kernels.for_tensors(q, kv_cache) if attn.all_decode else None
+    kernels = cpu_kernels.for_tensors(q, kv_cache) if attn.all_decode and softcap is None else None
     if kernels is not None:  # a decode step on the CPU: the kernel writes each new K/V row, then attends
         keys = plan.decode
         return kernels.paged_decode_attention(q, kv_cache, keys.block_tables, keys.first, keys.end, scale, k, v)
@@ -229,7 +259,7 @@ def paged_attention(
     decoded = None
     if attn.decode_rows is not None:
         q_d = q[attn.decode_rows] if isinstance(attn.decode_rows, slice) else q.index_select(0, attn.decode_rows)
-        decoded = _decode_attention(q_d, kv_cache, plan.decode, scale)
+        decoded = _decode_attention(q_d, kv_cache, plan.decode, scale, softcap)
         if attn.all_decode:
             return decoded
     out = q.new_empty(t, heads, d)  # [T, H, d]
@@ -243,9 +273,13 @@ def paged_attention(
         if span.context_rows is None:
             k_p = k[span.rows].transpose(0, 1).unsqueeze(0)  # [1, KV, n, d]
             v_p = v[span.rows].transpose(0, 1).unsqueeze(0)
-            o_p = (_causal_attention(q_p, k_p, v_p, scale) if span.mask is None else
-                   F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=span.mask, scale=scale, enable_gqa=True))
+            if softcap is not None:
+                o_p = _eager_attention(q_p, k_p, v_p, span.mask, scale, softcap)
+            elif span.mask is None:
+                o_p = _causal_attention(q_p, k_p, v_p, scale)
+            else:
+                o_p = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=span.mask, scale=scale, enable_gqa=True)
         else:
-            o_p = _context_attention(q_p, kv_cache, span, scale)
+            o_p = _context_attention(q_p, kv_cache, span, scale, softcap)
         out[span.rows] = o_p[0].transpose(0, 1)
     return out

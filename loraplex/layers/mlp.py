@@ -41,6 +41,9 @@ class GatedMLP(nn.Module):
         self.intermediate = down_proj.in_features
         self.act = activation(hidden_act)
 
+    def adapted(self) -> tuple[LoRALinear, LoRALinear]:
+        return (self.gate_up_proj, self.down_proj)
+
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, lora)  # [T, 2I]
         kernels = cpu_kernels.for_tensors(gate_up) if self.act is F.silu else None

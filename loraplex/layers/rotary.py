@@ -74,7 +74,8 @@ def dynamic_inv_frequencies(theta: float, dim: int, factor: float, max_pos: int,
 
 
 class RotaryEmbedding(nn.Module):
-    """Builds per-step cos/sin once; ``apply_rotary`` rotates q and k of every layer with them.
+    """Builds per-step cos/sin once; ``apply_rotary`` rotates q and k of every layer with them (the first
+    ``cfg.rotary_dim`` dimensions of each head: all of them unless ``partial_rotary_factor < 1``).
 
     ``theta`` and ``scaling`` default to the config's; a family whose layer types use other bases
     (Gemma 3's local layers) builds one ``RotaryEmbedding`` per base."""
@@ -84,7 +85,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.theta = cfg.rope_theta if theta is None else theta
         self.scaling = cfg.rope_scaling if scaling is None else scaling
-        self.dim, self.max_pos = cfg.head_dim, cfg.max_position_embeddings
+        self.dim, self.max_pos = cfg.rotary_dim, cfg.max_position_embeddings  # head_dim unless partial
         self.register_buffer("inv_freq", inv_frequencies(self.theta, self.dim, self.scaling).to(device),
                              persistent=False)  # [d/2]
         long_freq = (_longrope_inv_freq(self.theta, self.dim, self.scaling.long_factor).to(device)

@@ -1,6 +1,6 @@
 """What every model family shares: embeddings, the final norm and lm_head, slot writes, dense packing.
 
-A family is one file in ``loraplex/models/`` plus one line in ``registry.py``. Its model class derives
+A family is one file in ``loraplex/models/families/`` plus one line in ``registry.py``. Its model class derives
 from ``CausalLM`` and declares itself:
 
 - ``config_class``: its ``ModelConfig`` (a frozen subclass when it has fields of its own), which

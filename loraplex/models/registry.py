@@ -1,6 +1,6 @@
 """Architecture name (``config.json``'s ``architectures[0]``) -> model family, imported lazily.
 
-Adding a family is one file in this package plus one line here (see ``docs/adding-a-model.md``).
+Adding a family is one file in ``models/families/`` plus one line here (see ``docs/adding-a-model.md``).
 """
 
 from __future__ import annotations
@@ -16,12 +16,17 @@ from loraplex.models.base import CausalLM
 
 # name -> "module:ClassName"; SmolLM2 checkpoints declare LlamaForCausalLM.
 _ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "loraplex.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "loraplex.models.llama:LlamaForCausalLM",
-    "Qwen2ForCausalLM": "loraplex.models.llama:LlamaForCausalLM",
-    "Qwen3ForCausalLM": "loraplex.models.qwen3:Qwen3ForCausalLM",
-    "Gemma3ForCausalLM": "loraplex.models.gemma3:Gemma3ForCausalLM",
-    "Phi3ForCausalLM": "loraplex.models.phi3:Phi3ForCausalLM",
+    "LlamaForCausalLM": "loraplex.models.families.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "loraplex.models.families.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "loraplex.models.families.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "loraplex.models.families.qwen3:Qwen3ForCausalLM",
+    "Gemma3ForCausalLM": "loraplex.models.families.gemma3:Gemma3ForCausalLM",
+    "Phi3ForCausalLM": "loraplex.models.families.phi3:Phi3ForCausalLM",
+    "Gemma2ForCausalLM": "loraplex.models.families.gemma2:Gemma2ForCausalLM",
+    "GraniteForCausalLM": "loraplex.models.families.granite:GraniteForCausalLM",
+    "SmolLM3ForCausalLM": "loraplex.models.families.smollm3:SmolLM3ForCausalLM",
+    "Qwen3MoeForCausalLM": "loraplex.models.families.qwen3_moe:Qwen3MoeForCausalLM",
+    "GraniteMoeForCausalLM": "loraplex.models.families.granite_moe:GraniteMoeForCausalLM",
 }
 
 

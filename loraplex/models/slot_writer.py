@@ -1,11 +1,11 @@
 """Writing one adapter into a device slot of a model (any family).
 
-The adapter arrives per projection (``modules[(layer_idx, proj_name)] = (A [r, in], B [out, r])``,
-scale already folded into B; ``dora_scales[(layer_idx, proj_name)] = g [out]`` for DoRA) and is
-regrouped per packed layer as the family packs them (e.g. q/k/v -> ``qkv_proj``, gate/up ->
-``gate_up_proj``); its ``embed_tokens`` / ``lm_head`` parts (``vocab``) go to the embedding and the
-lm_head. Everything is validated before the first write, so a bad adapter leaves the slot (and every
-other slot) exactly as it was.
+The adapter arrives per projection (``modules[(layer_idx, proj_name)] = (A [r, in], B [out, r])``, or
+``(A [E, r, in], B [E, out, r])`` for a stacked expert parameter, scale already folded into B;
+``dora_scales[(layer_idx, proj_name)] = g [out]`` for DoRA) and is regrouped per packed layer as the family
+packs them (e.g. q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``); its ``embed_tokens`` / ``lm_head``
+parts (``vocab``) go to the embedding and the lm_head. Everything is validated before the first write, so
+a bad adapter leaves the slot (and every other slot) exactly as it was.
 """
 
 from __future__ import annotations
@@ -49,12 +49,14 @@ def group_by_layer(model, weights: AdapterModules) -> Grouped:
         if not 0 <= layer_idx < cfg.num_layers:
             raise AdapterShapeMismatch(f"{source}: layer {layer_idx} of {proj} is outside the model's "
                                        f"{cfg.num_layers} layers")
-        in_f, out_f = shapes[proj].in_features, shapes[proj].out_features
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape[0] != out_f or b.shape[1] != r:
+        in_f, out_f, experts = shapes[proj].in_features, shapes[proj].out_features, shapes[proj].experts
+        lead = (experts,) if experts else ()  # stacked experts: one pair per expert
+        r = a.shape[-2] if a.dim() >= 2 else -1
+        if tuple(a.shape) != (*lead, r, in_f) or tuple(b.shape) != (*lead, out_f, r):
+            e = f"{experts}, " if experts else ""
             raise AdapterShapeMismatch(
                 f"{source}: layer {layer_idx} {proj}: A {tuple(a.shape)}, B {tuple(b.shape)}; expected "
-                f"A [r, {in_f}] and B [{out_f}, r]"
+                f"A [{e}r, {in_f}] and B [{e}{out_f}, r]"
             )
         if r > model.max_lora_rank:
             raise AdapterRankTooLarge(f"{source}: layer {layer_idx} {proj} has rank {r} > max_lora_rank "

@@ -2,7 +2,8 @@
 
 PEFT options that change the forward pass in ways loraplex does not serve raise ``UnsupportedAdapter``
 naming the option; ``modules_to_save`` and ``trainable_token_indices`` are served for ``embed_tokens``
-and ``lm_head`` only (any other module would replace a whole base layer).
+and ``lm_head`` only (any other module would replace a whole base layer); ``target_parameters`` for the
+parameters a family lists in ``ModelConfig.parameter_targets`` (MoE experts; ``reading.parameter_targets``).
 
 The config is untrusted input: every field is type-checked here (``InvalidAdapter`` naming it), and its
 regexes (``target_modules`` / ``exclude_modules`` strings, ``rank_pattern`` / ``alpha_pattern`` keys) are
@@ -26,7 +27,7 @@ from loraplex.adapters.reading.weights import VOCAB_MODULES
 from loraplex.errors import InvalidAdapter, UnsupportedAdapter
 
 # PEFT options that change the forward pass beyond what loraplex serves: refused when set.
-_UNSUPPORTED_FEATURES = ("target_parameters", "layer_replication", "alora_invocation_tokens", "use_qalora",
+_UNSUPPORTED_FEATURES = ("layer_replication", "alora_invocation_tokens", "use_qalora",
                          "use_bdlora", "arrow_config", "velora_config", "kasa_config", "monteclora_config")
 _RE2 = re2.Options()
 _RE2.log_errors = False
@@ -53,6 +54,7 @@ class AdapterConfig:
     trainable_tokens: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (vocab module, token ids)
     trainable_tokens_per_module: bool = False  # PEFT's dict form (else a list: the input embedding's)
     ensure_weight_tying: bool = False
+    target_parameters: tuple[str, ...] = ()  # PEFT's parameter names (checked against the model by the reader)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], folder: str) -> AdapterConfig:
@@ -87,6 +89,7 @@ class AdapterConfig:
             trainable_tokens=_trainable_tokens(tokens, folder),
             trainable_tokens_per_module=isinstance(tokens, dict),
             ensure_weight_tying=bool(raw.get("ensure_weight_tying", False)),
+            target_parameters=_parameter_names(raw.get("target_parameters"), folder),
         )
 
     def rank_for(self, module: str) -> int:
@@ -107,6 +110,11 @@ class AdapterConfig:
         else:
             selected = _matches(self.target_modules, module)
         return selected and (self.layers_to_transform is None or layer_idx in self.layers_to_transform)
+
+    def targets_parameter(self, key: str) -> bool:
+        """PEFT's ``target_parameters`` rule for the parameter ``key`` (full name): an entry equal to it or a
+        dotted suffix of it."""
+        return any(key == name or key.endswith(f".{name}") for name in self.target_parameters)
 
     def targets_vocab(self, module: str) -> bool:
         """Whether PEFT would have put LoRA on ``embed_tokens`` / ``lm_head`` (never by "all-linear")."""
@@ -145,6 +153,14 @@ def _trainable_tokens(value: Any, folder: str) -> tuple[tuple[str, tuple[int, ..
             raise InvalidAdapter(f"{folder}: trainable_token_indices[{module!r}] repeats a token id")
         out.append((name, tuple(ids)))
     return tuple(out)
+
+
+def _parameter_names(value: Any, folder: str) -> tuple[str, ...]:
+    if not value:
+        return ()
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) and v for v in value):
+        return tuple(value)
+    raise InvalidAdapter(f"{folder}: target_parameters must be a list of parameter names, got {_SHOWN.repr(value)}")
 
 
 def _positive_int(value: Any, field: str, folder: str) -> int:

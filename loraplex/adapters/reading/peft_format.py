@@ -33,6 +33,12 @@ import xxhash
 from loraplex.adapters.reading.adapter_config import AdapterConfig
 from loraplex.adapters.reading.bounded_json import parse_json
 from loraplex.adapters.reading.overflow_bound import check_norms, check_pairs
+from loraplex.adapters.reading.parameter_targets import (
+    check_target_parameters,
+    expert_shapes,
+    locate_parameter_module,
+    stack_experts,
+)
 from loraplex.adapters.reading.safe_files import adapter_folder, present, read_file, resolve_roots
 from loraplex.adapters.reading.vocab_modules import (
     Shaped,
@@ -44,7 +50,7 @@ from loraplex.adapters.reading.vocab_modules import (
 from loraplex.adapters.reading.weight_file import WeightFile, open_weight_file
 from loraplex.adapters.reading.weights import VOCAB_MODULES, AdapterWeights, ModuleKey, Pair, VocabModule
 from loraplex.config import ModelConfig, Projection
-from loraplex.errors import AdapterNotFound, AdapterRankTooLarge, InvalidAdapter
+from loraplex.errors import AdapterNotFound, AdapterRankTooLarge, InvalidAdapter, UnsupportedAdapter
 
 CONFIG_FILE = "adapter_config.json"
 MAX_CONFIG_BYTES = 1 << 20  # a PEFT config is ~1 KB; a rank_pattern over every module of a large MoE fits
@@ -59,8 +65,9 @@ _KINDS = (
     (re.compile(r"^(?P<module>.+)\.token_adapter\.trainable_tokens_delta(?:\.[^.]+)?$"), "trainable"),
     (re.compile(r"^(?P<module>.+?)(?:\.modules_to_save(?:\.[^.]+)?)?\.weight$"), "saved"),
 )
-# module name -> (key, expected shape per kind, the text explaining them): ``_check_layout``'s verdict
-Layout = dict[str, tuple[ModuleKey, dict[str, tuple[int, ...]], str]]
+# module name -> (key, expected shape per kind, the text explaining them, the name rank/alpha patterns match,
+# experts stacked in the parameter or 0): ``_check_layout``'s verdict
+Layout = dict[str, tuple[ModuleKey, dict[str, tuple[int, ...]], str, str, int]]
 _MODULE = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<proj>\w+)$")
 
 
@@ -115,7 +122,7 @@ def _read(source: str, raw: dict, config: AdapterConfig, weight_file: WeightFile
         raise InvalidAdapter(f"{source}: the adapter applies to zero modules (no LoRA tensors); "
                              "refusing to serve it as the base model")
     _check_bounds(source, modules, magnitudes, names, vocab)
-    ranks = [a.shape[0] for a, _ in modules.values()] + [v.lora[0].shape[0] for v in vocab.values() if v.lora]
+    ranks = [a.shape[-2] for a, _ in modules.values()] + [v.lora[0].shape[0] for v in vocab.values() if v.lora]
     return AdapterWeights(
         path=source,
         config=config,
@@ -131,6 +138,7 @@ def _check_layout(source: str, config: AdapterConfig, tensors: Mapping[str, Shap
                   max_lora_rank: int) -> Layout:
     """Every tensor's name, shape and dtype against what ``config`` and the base can need; reads no value
     (``tensors`` may be a header's declarations). Returns the projections' layout."""
+    check_target_parameters(source, config, model_config)
     projection_parts, vocab_parts = _classify(source, tensors)
     projections = model_config.projections()
     layout = {module: _module_layout(source, config, module, pair, model_config, projections, max_lora_rank)
@@ -192,21 +200,31 @@ def _kind(folder: str, key: str, name: str) -> tuple[str, str]:
 
 def _module_layout(folder: str, config: AdapterConfig, module: str, pair: Mapping[str, Shaped],
                    model_config: ModelConfig, projections: Mapping[str, Projection],
-                   max_lora_rank: int) -> tuple[ModuleKey, dict[str, tuple[int, ...]], str]:
+                   max_lora_rank: int) -> tuple[ModuleKey, dict[str, tuple[int, ...]], str, str, int]:
     """Check one projection's tensors (names, presence, targeting, rank, shapes, dtypes; no values); returns
-    its key, the expected shape per kind and the text explaining them."""
-    layer_idx, proj = _locate(folder, module, model_config, projections)
+    its key, the expected shape per kind, the text explaining them, the name its rank and alpha patterns
+    match, and the experts stacked in it (0: a plain projection)."""
+    # a parameter PEFT wrapped (target_parameters: MoE experts, a router) is named by its full name
+    located = locate_parameter_module(folder, module, config, model_config)
+    layer_idx, proj, pattern_key = located or (*_locate(folder, module, model_config, projections), module)
     for half, other in (("lora_A", "lora_B"), ("lora_B", "lora_A")):
         if half not in pair:
             raise InvalidAdapter(f"{folder}: module {module!r} has {other} but no {half} tensor")
-    if not config.targets(module, layer_idx):
+    if located is None and not config.targets(module, layer_idx):
         raise InvalidAdapter(f"{folder}: tensors for module {module!r}, which target_modules="
                              f"{config.target_modules!r} / layers_to_transform do not select")
-    r = config.rank_for(module)
+    r = config.rank_for(pattern_key)
     if r > max_lora_rank:
         raise AdapterRankTooLarge(
             f"{folder}: module {module!r} has rank {r}, over max_lora_rank={max_lora_rank}")
     shape = projections[proj]
+    if shape.experts:
+        if "magnitude" in pair:
+            raise UnsupportedAdapter(f"{folder}: module {module!r}: DoRA on stacked experts is not served")
+        shapes, why = expert_shapes(r, shape)
+        check_layout(folder, f"{module}.lora_A", pair["lora_A"], shapes["lora_A"], why)
+        check_layout(folder, f"{module}.lora_B", pair["lora_B"], shapes["lora_B"], why)
+        return (layer_idx, proj), shapes, why, pattern_key, shape.experts
     why = f" (rank {r}; base {proj} is {shape.in_features} -> {shape.out_features})"
     shapes = {"lora_A": (r, shape.in_features), "lora_B": (shape.out_features, r), "magnitude": (shape.out_features,)}
     check_layout(folder, f"{module}.lora_A", pair["lora_A"], shapes["lora_A"], why)
@@ -218,7 +236,7 @@ def _module_layout(folder: str, config: AdapterConfig, module: str, pair: Mappin
         check_layout(folder, f"{module}.lora_magnitude_vector", pair["magnitude"], shapes["magnitude"])
     elif config.use_dora:
         raise InvalidAdapter(f"{folder}: use_dora=true but module {module!r} has no lora_magnitude_vector")
-    return (layer_idx, proj), shapes, why
+    return (layer_idx, proj), shapes, why, pattern_key, 0
 
 
 def _build_modules(folder: str, config: AdapterConfig, parts: Mapping[str, Mapping[str, torch.Tensor]],
@@ -233,14 +251,16 @@ def _build_modules(folder: str, config: AdapterConfig, parts: Mapping[str, Mappi
     magnitudes: dict[ModuleKey, torch.Tensor] = {}
     names: dict[ModuleKey, str] = {}
     for module, pair in sorted(parts.items()):
-        key, shapes, why = layout[module]
+        key, shapes, why, pattern_key, experts = layout[module]
         a = check_tensor(folder, f"{module}.lora_A", pair["lora_A"], shapes["lora_A"], why, finite=True)
         b = check_tensor(folder, f"{module}.lora_B", pair["lora_B"], shapes["lora_B"], why, finite=True)
+        if experts:
+            a, b = stack_experts(a, b, experts)  # [E, r, in], [E, out, r] (b a copy: scaled below)
         if in_place and b is pair["lora_B"]:
-            to_fold.setdefault(config.scale_for(module), []).append(b)
+            to_fold.setdefault(config.scale_for(pattern_key), []).append(b)
         else:
-            b = (b * config.scale_for(module)).contiguous()
-        modules[key], names[key] = (a, b), module  # [r, in], [out, r]
+            b = (b * config.scale_for(pattern_key)).contiguous()
+        modules[key], names[key] = (a, b), module  # [r, in], [out, r]; stacked experts [E, r, in], [E, out, r]
         if "magnitude" in pair:
             magnitudes[key] = check_tensor(folder, f"{module}.lora_magnitude_vector", pair["magnitude"],
                                            shapes["magnitude"], finite=True)

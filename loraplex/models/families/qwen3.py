@@ -8,7 +8,7 @@ switch (``use_sliding_window`` + ``max_window_layers``, off in the released chec
 
 from __future__ import annotations
 
-from loraplex.models.llama import LlamaForCausalLM
+from loraplex.models.families.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

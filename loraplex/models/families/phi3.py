@@ -1,4 +1,4 @@
-"""Phi-3 / Phi-3.5-mini (``Phi3ForCausalLM``): a Llama-style block whose projections are fused.
+"""Phi-3 / Phi-3.5-mini / Phi-4-mini (``Phi3ForCausalLM``): a Llama-style block whose projections are fused.
 
 The checkpoint stores ``self_attn.qkv_proj`` (``hidden -> (H + 2 KV) d``, rows q then k then v) and
 ``mlp.gate_up_proj`` (``hidden -> 2 I``, gate rows then up rows), and PEFT adapters target those
@@ -6,31 +6,22 @@ fused names, so the four adaptable projections are ``qkv_proj``, ``o_proj``, ``g
 ``down_proj``, each its own ``LoRALinear`` (an adapter on ``qkv_proj`` has one A and one B spanning
 q, k and v). Rotary: default or LongRoPE (``rope_scaling.type == "longrope"``, short/long factors and
 the attention factor; the 128k and 3.5 checkpoints); a ``sliding_window`` (Phi-3-mini-4k: 2047) applies
-to every layer, as in HF.
+to every layer, as in HF. Phi-4-mini sets ``partial_rotary_factor`` 0.75: rope (and LongRoPE's factors, 48
+of them) covers the first ``int(head_dim * 0.75)`` = 96 of each head's 128 dimensions, the rest pass
+through unrotated (HF's Phi-3 ``apply_rotary_pos_emb``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from loraplex.config import ModelConfig, Projection
-from loraplex.errors import ModelError
-from loraplex.models.llama import LlamaForCausalLM
+from loraplex.models.families.llama import LlamaForCausalLM
 
 
 @dataclass(frozen=True)
 class Phi3Config(ModelConfig):
-    """Fused projections; partial rotary (Phi-4-mini's ``partial_rotary_factor``) is refused."""
-
-    @classmethod
-    def normalise(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor") or 1.0))
-        if partial != 1.0:
-            raise ModelError(f"Phi3ForCausalLM with partial_rotary_factor={partial} is not supported (only 1.0)")
-        return super().normalise(raw)
+    """Fused projections (``partial_rotary_factor`` is read by ``ModelConfig``)."""
 
     def projections(self) -> dict[str, Projection]:
         q_out = self.num_heads * self.head_dim

@@ -6,14 +6,17 @@ Every RMSNorm computes ``(1 + w) * x_normalised`` (``norm_offset``); embeddings 
 ``sqrt(hidden)``; attention has a per-head ``(1 + w)`` RMSNorm on q and k, the scale
 ``query_pre_attn_scalar ** -0.5``, and alternates local layers (sliding window, rope base
 ``rope_local_base_freq``) with global ones (full attention, base ``rope_theta``, their own scaling).
-The projections and PEFT target names are Llama's seven.
+Final-logit soft-capping when the config sets it (released Gemma 3 configs do not):
+``tanh(z / final_logit_softcapping) * final_logit_softcapping``. ``attn_logit_softcapping`` is read but, as in
+HF transformers 5 (whose ``Gemma3Attention`` stores it and never passes it on), not applied to Gemma 3's
+attention; Gemma 2 applies it (``attention_softcap``). The projections and PEFT target names are Llama's seven.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -25,15 +28,25 @@ from loraplex.layers.lora_linear import LoRALinear
 from loraplex.layers.mlp import GatedMLP
 from loraplex.layers.rotary import RotaryEmbedding
 from loraplex.layers.self_attention import SelfAttention
+from loraplex.layers.softcap import soft_cap
 from loraplex.models.base import CausalLM
-from loraplex.models.llama import LlamaForCausalLM
+from loraplex.models.families.llama import LlamaForCausalLM
 from loraplex.ops.lora_batch import LoRABatch
 
 # What Gemma3TextConfig assumes for a key a config.json leaves out
 _HF_DEFAULTS = {"hidden_activation": "gelu_pytorch_tanh", "head_dim": 256, "query_pre_attn_scalar": 256,
                 "sliding_window": 4096, "sliding_window_pattern": 6, "tie_word_embeddings": True,
                 "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "max_position_embeddings": 131_072}
-_REFUSED = ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention")
+_REFUSED = ("use_bidirectional_attention",)
+
+
+def _softcap(raw: Mapping[str, Any], key: str) -> float | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ModelError(f"{key} must be a positive number or null, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -43,6 +56,8 @@ class Gemma3Config(ModelConfig):
     query_pre_attn_scalar: float = 256.0
     local_rope_theta: float = 10_000.0
     local_rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     @classmethod
     def normalise(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -50,6 +65,7 @@ class Gemma3Config(ModelConfig):
             if raw.get(key):
                 raise ModelError(f"Gemma 3 with {key}={raw[key]!r} is not supported")
         raw = {**_HF_DEFAULTS, **raw}
+        softcaps = {key: _softcap(raw, key) for key in ("attn_logit_softcapping", "final_logit_softcapping")}
         fields = super().normalise({**raw, "hidden_act": raw["hidden_activation"]})
         nested = raw.get("rope_parameters") or {}
         if "full_attention" in nested or "sliding_attention" in nested:  # transformers >= 5 writes these
@@ -61,7 +77,7 @@ class Gemma3Config(ModelConfig):
             global_theta, local_theta = raw["rope_theta"], raw["rope_local_base_freq"]
         return {**fields, "rope_theta": float(global_theta), "rope_scaling": RopeScaling.from_hf(raw, full),
                 "local_rope_theta": float(local_theta), "local_rope_scaling": RopeScaling.from_hf(raw, local),
-                "query_pre_attn_scalar": float(raw["query_pre_attn_scalar"])}
+                "query_pre_attn_scalar": float(raw["query_pre_attn_scalar"]), **softcaps}
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -75,7 +91,8 @@ class Gemma3DecoderLayer(nn.Module):
             model.lora_linear("o_proj", cfg.num_heads * cfg.head_dim),
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, window=cfg.layer_window(index),
             scale=cfg.query_pre_attn_scalar**-0.5,
-            qk_norms=(model.rms_norm(cfg.head_dim), model.rms_norm(cfg.head_dim)),
+            qk_norms=(model.rms_norm(cfg.head_dim), model.rms_norm(cfg.head_dim)) if model.qk_norm else None,
+            softcap=cfg.attn_logit_softcapping if model.attention_softcap else None,
         )
         self.post_attention_layernorm = model.rms_norm(cfg.hidden_size)
         self.pre_feedforward_layernorm = model.rms_norm(cfg.hidden_size)
@@ -101,12 +118,15 @@ class Gemma3ForCausalLM(CausalLM):
     packed_projections = LlamaForCausalLM.packed_projections
     norm_offset = 1.0
     scale_embeddings = True
+    qk_norm: ClassVar[bool] = True  # per-head (1 + w) RMSNorm on q and k (Gemma 2 has none)
+    attention_softcap: ClassVar[bool] = False  # apply attn_logit_softcapping (Gemma 2; HF's Gemma 3 does not)
 
     def __init__(self, model_config: Gemma3Config, max_loras: int, max_lora_rank: int, dtype: torch.dtype,
                  device: torch.device | str) -> None:
         super().__init__(model_config, max_loras, max_lora_rank, dtype, device)
-        self.local_rotary = RotaryEmbedding(model_config, device, model_config.local_rope_theta,
-                                            model_config.local_rope_scaling)
+        local = (model_config.local_rope_theta, model_config.local_rope_scaling)
+        self.local_rotary = (None if local == (model_config.rope_theta, model_config.rope_scaling)
+                             else RotaryEmbedding(model_config, device, *local))  # None: the global one serves
 
     def make_layer(self, index: int) -> Gemma3DecoderLayer:
         return Gemma3DecoderLayer(self, index)
@@ -114,6 +134,15 @@ class Gemma3ForCausalLM(CausalLM):
     def rope_tables(self, positions: torch.Tensor, seq_lens: torch.Tensor,
                     dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``(cos, sin)`` per layer type present: global layers use ``rotary``, local ones ``local_rotary``."""
+        tables = {"full_attention": self.rotary.cos_sin(positions, seq_lens, dtype)}
         types = {layer.layer_type for layer in self.layers}
-        return {t: (self.local_rotary if t == "sliding_attention" else self.rotary).cos_sin(positions, seq_lens, dtype)
-                for t in types}
+        if "sliding_attention" in types:
+            tables["sliding_attention"] = (tables["full_attention"] if self.local_rotary is None
+                                           else self.local_rotary.cos_sin(positions, seq_lens, dtype))
+        return tables
+
+    def logits(self, hidden: torch.Tensor, logits_rows: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        """``CausalLM.logits``, soft-capped when ``final_logit_softcapping`` is set."""
+        logits = super().logits(hidden, logits_rows, lora)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else soft_cap(logits, cap)
