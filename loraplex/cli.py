@@ -185,6 +185,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
     from loraplex.server.app import create_app
     from loraplex.server.draining import DrainingServer
+    from loraplex.server.prepare.preparer import RequestPreparer
     from loraplex.server.tenancy.keys import KeyTable
 
     config = engine_config(args, parser)
@@ -196,22 +197,19 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         keys = KeyTable.load(args.api_keys) if args.api_keys else None
     except (OSError, ValueError) as exc:
         parser.error(f"--api-keys: {exc}")
-    client: EngineClient
-    if args.in_process_engine:
-        from loraplex.client.inproc import AsyncEngine
-
-        client = AsyncEngine.from_config(config, startup_adapters(args))
-    else:
-        from loraplex.client.process import EngineProcess
-
-        client = EngineProcess(config, startup_adapters(args), cpus=args.engine_cpus, log_level=args.log_level)
-        client.start()
+    preparer = RequestPreparer(processes=args.prepare_workers)
+    preparer.start()  # the worker processes import while the engine loads the model
+    try:
+        client = _start_engine(args, config)
+    except BaseException:
+        preparer.shutdown()
+        raise
     try:
         app = create_app(client, served_model_name=args.served_model_name,
                          allow_runtime_adapters=args.allow_runtime_adapters, adapter_roots=args.adapter_root,
                          api_key=args.api_key, api_keys=keys, load_on_demand=args.load_on_demand,
                          max_request_bytes=args.max_request_bytes,
-                         prepare_processes=args.prepare_workers, request_timeout=args.request_timeout or None)
+                         preparer=preparer, request_timeout=args.request_timeout or None)
         stats, adapters = asyncio.run(_describe(client))
         info = client.info
         logger.info("model %s (%s) dtype %s on %s; engine %s (pid %d)", info.model_name, info.model_path, info.dtype,
@@ -235,6 +233,19 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         server.run()
     finally:
         client.shutdown()
+
+
+def _start_engine(args: argparse.Namespace, config: EngineConfig) -> EngineClient:
+    """The engine ``serve`` runs: in this process, or in its own process (started and ready)."""
+    if args.in_process_engine:
+        from loraplex.client.inproc import AsyncEngine
+
+        return AsyncEngine.from_config(config, startup_adapters(args))
+    from loraplex.client.process import EngineProcess
+
+    client = EngineProcess(config, startup_adapters(args), cpus=args.engine_cpus, log_level=args.log_level)
+    client.start()
+    return client
 
 
 def _exit_normally(signum: int, frame: object) -> None:

@@ -22,6 +22,7 @@ from loraplex.client.process import EngineProcess
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine, EngineStats
 from loraplex.server.app import create_app
+from loraplex.server.prepare.preparer import RequestPreparer
 
 BASE = "tiny"  # the served name of the tiny base model
 
@@ -106,6 +107,8 @@ def tiny_server(model: Path, adapters: dict[str, Path], startup: tuple[str, ...]
     engine_config = EngineConfig(model=str(model), **config)
     engine: Engine | None = None
     client: EngineClient
+    preparer = RequestPreparer(processes=1 if mode == "process" else 0)
+    preparer.start()  # as ``loraplex serve``: the worker process imports while the engine starts
     if mode == "process":
         client = EngineProcess(engine_config, [(name, str(adapters[name])) for name in startup])
         client.start()
@@ -116,7 +119,7 @@ def tiny_server(model: Path, adapters: dict[str, Path], startup: tuple[str, ...]
         client = AsyncEngine(engine)
     try:
         app = create_app(client, served_model_name=BASE, allow_runtime_adapters=True, adapter_roots=[root],
-                         prepare_processes=1 if mode == "process" else 0, **(app_options or {}))
+                         preparer=preparer, **(app_options or {}))
         with running_server(app) as url:
             yield Server(url, engine, client, root, adapters)
     finally:

@@ -63,6 +63,7 @@ def create_app(
     load_on_demand: bool = False,
     max_request_bytes: int | None = None,
     prepare_processes: int = 0,
+    preparer: RequestPreparer | None = None,
     request_timeout: float | None = None,
 ) -> FastAPI:
     """An app serving ``engine``: an ``EngineClient`` (a started ``EngineProcess``, an ``AsyncEngine``),
@@ -74,7 +75,9 @@ def create_app(
     then bound the folders it may read; ``load_on_demand`` loads ``<root>/NAME`` on NAME's first request.
     ``max_request_bytes`` bounds request bodies (default: ``default_max_request_bytes``, sized for the
     model's context). ``prepare_processes`` > 0 prepares requests in that many worker processes
-    instead of two threads (see ``loraplex.server.prepare``). ``request_timeout``: seconds a generation
+    instead of two threads (see ``loraplex.server.prepare``); ``preparer``: a ``RequestPreparer`` made (and
+    started) before the engine was, to serve with instead (its processes import while the engine loads; it
+    is configured here, and ``prepare_processes`` is then ignored). ``request_timeout``: seconds a generation
     request may run before it is stopped (504); ``app.state.lifecycle`` drains the app on shutdown.
     """
     client = engine if isinstance(engine, EngineClient) else AsyncEngine(getattr(engine, "engine", engine))
@@ -88,8 +91,7 @@ def create_app(
         policy=AdapterPathPolicy(allow_runtime_adapters, adapter_roots),
         metrics=ServerMetrics(client.has_adapter),  # adapter labels: loaded names only
         lifecycle=ServerLifecycle(request_timeout),
-        preparer=RequestPreparer(PrepareConfig(str(client.model_path) if client.tokenizer is not None else None,
-                                               client.max_model_len), client.tokenizer, prepare_processes),
+        preparer=_configured(preparer or RequestPreparer(processes=prepare_processes), client),
         keys=keys, quotas=TenantQuotas(),
         on_demand=OnDemandLoader(client, AdapterRoots(adapter_roots)) if load_on_demand else None,
         started=int(time.time()))
@@ -109,6 +111,12 @@ def create_app(
     for routes in (ops, models, generate, tokenize, adapters):
         app.include_router(routes.router)
     return app
+
+
+def _configured(preparer: RequestPreparer, client: EngineClient) -> RequestPreparer:
+    preparer.configure(PrepareConfig(str(client.model_path) if client.tokenizer is not None else None,
+                                     client.max_model_len), client.tokenizer)
+    return preparer
 
 
 def _add_middlewares(app: FastAPI, ctx: ServerContext, max_request_bytes: int) -> None:

@@ -49,20 +49,11 @@ WORKER_NICENESS = 10
 _local = threading.local()  # each worker's PrepareWorker
 
 
-def _init_thread(config: PrepareConfig, base: Any) -> None:
-    _local.worker = PrepareWorker(config, VersionTokenizers(base))
-
-
-def _init_process(config: PrepareConfig, parent_pid: int) -> None:
+def _init_process(parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.nice(WORKER_NICENESS)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
-    base = None
-    if config.tokenizer_path is not None:
-        from transformers import AutoTokenizer
-
-        base = AutoTokenizer.from_pretrained(config.tokenizer_path)
-    _local.worker = PrepareWorker(config, VersionTokenizers(base))
+    from transformers import AutoTokenizer  # noqa: F401 - seconds of imports, done before the first job
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -71,15 +62,35 @@ def _exit_with_parent(parent_pid: int) -> None:
     os._exit(0)
 
 
-def _run(kind: str, *args: Any) -> Any:
-    return getattr(_local.worker, kind)(*args)
+def _worker(config: PrepareConfig, base: Any) -> PrepareWorker:
+    """This worker's ``PrepareWorker`` for ``config``, built by its first job. ``base``: the base tokenizer
+    (a thread's job carries it; a process loads it from ``config.tokenizer_path``)."""
+    worker = getattr(_local, "worker", None)
+    if worker is None or worker.config != config:
+        if base is None and config.tokenizer_path is not None:
+            from transformers import AutoTokenizer
+
+            base = AutoTokenizer.from_pretrained(config.tokenizer_path)
+        worker = _local.worker = PrepareWorker(config, VersionTokenizers(base))
+    return worker
+
+
+def _run(config: PrepareConfig, base: Any, kind: str, *args: Any) -> Any:
+    return getattr(_worker(config, base), kind)(*args)
+
+
+def _started() -> None:
+    """A first job: makes the pool start a process (which imports what it needs) without any config."""
 
 
 class RequestPreparer:
     """``processes`` worker processes, or (0) ``threads`` worker threads. ``base_tokenizer``: the base model's
-    tokenizer for thread workers (processes load it from ``config.tokenizer_path``)."""
+    tokenizer for thread workers (processes load it from ``config.tokenizer_path``).
 
-    def __init__(self, config: PrepareConfig, base_tokenizer: Any = None, processes: int = 0,
+    ``config`` may come later (``configure``), so that ``start`` can spawn the worker processes, which
+    spend seconds importing, while the engine is still loading the model: ``loraplex serve`` does."""
+
+    def __init__(self, config: PrepareConfig | None = None, base_tokenizer: Any = None, processes: int = 0,
                  threads: int = 2) -> None:
         self.config, self.base_tokenizer, self.processes, self.threads = config, base_tokenizer, processes, threads
         self._pool = self._new_pool()
@@ -87,9 +98,17 @@ class RequestPreparer:
     def _new_pool(self) -> Executor:
         if self.processes:
             return ProcessPoolExecutor(self.processes, mp_context=get_context("spawn"), initializer=_init_process,
-                                       initargs=(self.config, os.getpid()))
-        return ThreadPoolExecutor(self.threads, thread_name_prefix="loraplex-prepare", initializer=_init_thread,
-                                  initargs=(self.config, self.base_tokenizer))
+                                       initargs=(os.getpid(),))
+        return ThreadPoolExecutor(self.threads, thread_name_prefix="loraplex-prepare")
+
+    def start(self) -> None:
+        """Spawn the worker processes now (no-op for threads); they import while the caller goes on."""
+        for _ in range(self.processes):
+            self._pool.submit(_started)
+
+    def configure(self, config: PrepareConfig, base_tokenizer: Any = None) -> None:
+        """The model's tokenizer and limits, once the engine has said them (before the first job)."""
+        self.config, self.base_tokenizer = config, base_tokenizer
 
     async def warm_up(self) -> None:
         """Start every worker now (processes load their tokenizer), not on the first requests."""
@@ -126,7 +145,10 @@ class RequestPreparer:
 
     async def _run(self, kind: str, *args: Any) -> Any:
         try:
-            return await asyncio.wrap_future(self._pool.submit(_run, kind, *args))
+            if self.config is None:
+                raise RuntimeError("RequestPreparer.configure() was not called")
+            base = None if self.processes else self.base_tokenizer
+            return await asyncio.wrap_future(self._pool.submit(_run, self.config, base, kind, *args))
         except InvalidBody as exc:
             raise RequestValidationError(exc.errors) from None
         except BrokenProcessPool:
