@@ -31,10 +31,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
+
+import torch
 
 from loraplex.adapters.batch_indices import BatchIndices
 from loraplex.adapters.budget import SavedRowsBudget
@@ -44,7 +46,7 @@ from loraplex.adapters.integrity import check_tiers
 from loraplex.adapters.names import check_adapter_name
 from loraplex.adapters.read_ahead import ReadAhead, read_ahead_depth
 from loraplex.adapters.reading.overflow_bound import check_dora_scales
-from loraplex.adapters.reading.peft_format import read_peft_adapter
+from loraplex.adapters.reading.peft_format import in_memory_source, read_peft_adapter, read_peft_adapter_from_tensors
 from loraplex.adapters.reading.tokenizer import read_adapter_tokenizer
 from loraplex.adapters.reading.weights import AdapterWeights
 from loraplex.adapters.rereads import Rereads
@@ -91,19 +93,39 @@ class AdapterManager:
         weights = self._read(path, kept_roots)
         vocab_size = weights.vocab_size or self.model_config.vocab_size
         tokenizer = read_adapter_tokenizer(path, self.base_tokenizer, vocab_size, kept_roots)
+        return self._register(name, weights, new_version, tokenizer, kept_roots, in_memory=False)
+
+    def load_tensors(self, name: str, tensors: Mapping[str, torch.Tensor], config: Mapping | str | bytes,
+                     new_version: bool = False) -> AdapterInfo:
+        """``load`` from PEFT state-dict ``tensors`` and their ``adapter_config`` (an object or its JSON text),
+        validated exactly as a folder is (``read_peft_adapter_from_tensors``). The version has no folder: its
+        weights stay in host memory until it is dropped (never evicted, never re-read) and it ships no
+        tokenizer (the base model's serves it)."""
+        check_adapter_name(name)
+        source = in_memory_source(name)
+        self._check_name_free(name, source, new_version)
+        weights = self.writer.prepare(read_peft_adapter_from_tensors(tensors, config, self.model_config,
+                                                                     self.max_lora_rank, source))
+        check_dora_scales(weights)
+        return self._register(name, weights, new_version, None, None, in_memory=True)
+
+    def _register(self, name: str, weights: AdapterWeights, new_version: bool, tokenizer: Any,
+                  roots: tuple[str, ...] | None, in_memory: bool) -> AdapterInfo:
+        """Register validated, folded ``weights`` as the new version of ``name`` (under the lock)."""
         with self._lock:
-            self._check_name_free(name, path, new_version)
+            self._check_name_free(name, weights.path, new_version)
             info = AdapterInfo(name, weights.path, self._next_id, weights.content_hash, weights.max_rank,
                                weights.vocab_size, weights.saved_bytes, weights.uses_dora, tokenizer, time.time(),
-                               kept_roots)
-            self.budget.reserve(info.version_id, info.saved_bytes, f"{path}: adapter {name!r}")
+                               roots, in_memory)
+            self.budget.reserve(info.version_id, info.saved_bytes, f"{weights.path}: adapter {name!r}")
             self._next_id += 1
             self._infos[info.version_id] = info
             for old in self.versions.add(info):
                 self._drop_if_unused(old.version_id)
             self._put_host(info.version_id, weights)
             self._counters.loads += 1
-        logger.info("loaded adapter %r (id %d, rank %d) from %s", name, info.version_id, info.max_rank, path)
+        logger.info("loaded adapter %r (id %d, rank %d) from %s", name, info.version_id, info.max_rank,
+                    weights.path)
         return info
 
     def unload(self, name: str) -> AdapterInfo:
@@ -296,7 +318,8 @@ class AdapterManager:
         return weights
 
     def _put_host(self, version_id: int, weights: AdapterWeights) -> None:
-        keep = self.budget.holds(version_id)  # saved rows stay resident while loaded
+        # saved rows stay resident while loaded; so do weights that exist nowhere else
+        keep = self.budget.holds(version_id) or self._infos[version_id].in_memory
         self._counters.host_evictions += len(self.host.put(version_id, weights, keep=keep))
 
     def _drop_if_unused(self, version_id: int) -> None:

@@ -24,7 +24,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +37,7 @@ from loraplex.engine.wire import EngineInfo
 from loraplex.errors import RequestError
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
     from loraplex.adapters.info import AdapterInfo
@@ -238,15 +239,18 @@ class EngineClient(abc.ABC):
 
     # ---- engine calls (``wire.EngineCalls``), off the event loop ----
     @abc.abstractmethod
-    async def _call(self, method: str, *args: Any) -> Any:
-        """``engine.<method>(*args)`` off the event loop (a worker thread, or the engine process)."""
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``engine.<method>(*args, **kwargs)`` off the event loop (a worker thread, or the engine process)."""
 
-    async def load_adapter(self, name: str, path: str, new_version: bool = False,
-                           roots: list[str] | None = None) -> AdapterInfo:
-        """Validate and register a PEFT folder; raises ``AdapterError`` subclasses. ``new_version``: a loaded
-        ``name`` moves to the new version at once (its requests in flight finish on theirs). ``roots``: every
-        file the load reads must resolve inside one of these folders."""
-        return await self._call("load_adapter", name, path, new_version, roots)
+    async def load_adapter(self, name: str, path: str | None = None, *,
+                           tensors: Mapping[str, torch.Tensor] | None = None, config: Mapping | str | None = None,
+                           new_version: bool = False, roots: list[str] | None = None) -> AdapterInfo:
+        """Validate and register a PEFT folder ``path``, or ``tensors`` with their ``config`` (exactly one;
+        ``Engine.load_adapter``); raises ``AdapterError`` subclasses. ``new_version``: a loaded ``name`` moves
+        to the new version at once (its requests in flight finish on theirs). ``roots``: every file a folder
+        load reads must resolve inside one of these folders."""
+        return await self._call("load_adapter", name, path, tensors=tensors, config=config,
+                                new_version=new_version, roots=roots)
 
     async def unload_adapter(self, name: str) -> None:
         await self._call("unload_adapter", name)

@@ -126,8 +126,8 @@ class AsyncEngine(EngineClient):
         self.engine.abort_request(request_id)
         self._wakeup.set()
 
-    async def _call(self, method: str, *args: Any) -> Any:
-        result = await asyncio.to_thread(getattr(self.engine, method), *args)
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        result = await asyncio.to_thread(getattr(self.engine, method), *args, **kwargs)
         self._wakeup.set()  # an unload may end queued requests
         return result
 
