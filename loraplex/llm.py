@@ -62,6 +62,14 @@ class LLM:
     def unload_adapter(self, name: str) -> None:
         self.engine.unload_adapter(name)
 
+    def pin_adapter(self, name: str) -> None:
+        """Keep ``name``'s current version in a device slot and its host copy until ``unpin_adapter`` or unload;
+        at most ``max_loras - 1`` names may be pinned (``AdapterPinLimit`` past that)."""
+        self.engine.pin_adapter(name)
+
+    def unpin_adapter(self, name: str) -> None:
+        self.engine.unpin_adapter(name)
+
     def list_adapters(self) -> list[AdapterInfo]:
         return self.engine.list_adapters()
 

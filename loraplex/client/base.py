@@ -255,6 +255,13 @@ class EngineClient(abc.ABC):
     async def unload_adapter(self, name: str) -> None:
         await self._call("unload_adapter", name)
 
+    async def pin_adapter(self, name: str) -> None:
+        """Keep ``name`` in a device slot and host memory until unpinned or unloaded (``Engine.pin_adapter``)."""
+        await self._call("pin_adapter", name)
+
+    async def unpin_adapter(self, name: str) -> None:
+        await self._call("unpin_adapter", name)
+
     async def rollback_adapter(self, name: str) -> AdapterInfo:
         """Move ``name`` back to its previous held version (``AdapterVersionConflict`` if none); returns it."""
         return await self._call("rollback_adapter", name)

@@ -145,6 +145,14 @@ class Engine:
         for version_id in self.adapters.drain_dropped():
             self._inbox.put(_Retire(version_id))
 
+    def pin_adapter(self, name: str) -> None:
+        """Keep ``name``'s current version in a device slot and host memory until ``unpin_adapter`` or unload
+        (``AdapterManager.pin``; ``AdapterPinLimit`` past ``max_loras - 1`` pinned names)."""
+        self.adapters.pin(name)
+
+    def unpin_adapter(self, name: str) -> None:
+        self.adapters.unpin(name)
+
     def rollback_adapter(self, name: str) -> AdapterInfo:
         """Move ``name`` back to the held version before its current one (else ``AdapterVersionConflict``)."""
         return self.adapters.with_versions(lambda versions: versions.rollback(name))

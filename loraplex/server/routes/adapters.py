@@ -11,6 +11,8 @@
 - ``POST /v1/adapters/{name}/split`` ``{"v7": 0.9, "v8": 0.1}``: new requests of the name are routed among
   those held versions in proportion to the (positive) weights, normalised to shares; one version is a
   promotion. 400 on a malformed body, 404 on a version the name does not hold.
+- ``POST /v1/adapters/{name}/pin`` / ``/unpin``: the name's current version keeps (or no longer keeps) a device
+  slot and its host copy; 409 past ``max_loras - 1`` pinned names. The answer is the name's entry.
 - ``PUT /v1/adapters/{name}`` (``Content-Type: application/octet-stream``): the body is one safetensors file of
   PEFT tensors whose ``__metadata__["adapter_config"]`` is the ``adapter_config.json`` text. The first PUT of a
   name loads it, a later one makes and promotes a new version; the answer is the name's ``GET /v1/adapters``
@@ -198,4 +200,24 @@ async def put_adapter(name: str, request: Request) -> dict:
     ctx.metrics.runtime_loads.labels("ok").inc()
     reset_openapi(request.app)
     logger.info("adapter %r version v%d loaded from %d uploaded tensors", name, info.version_id, len(tensors))
+    return await entry_of(ctx, name)
+
+
+@router.post("/v1/adapters/{name}/pin", response_model=AdapterVersions,
+             responses=documented(AdapterVersions, 403, 404, 409, 503))
+async def pin_adapter(name: str, request: Request) -> dict:
+    manager(request, name)
+    ctx = context(request)
+    await ctx.client.pin_adapter(name)
+    logger.info("adapter %r pinned", name)
+    return await entry_of(ctx, name)
+
+
+@router.post("/v1/adapters/{name}/unpin", response_model=AdapterVersions,
+             responses=documented(AdapterVersions, 403, 404, 503))
+async def unpin_adapter(name: str, request: Request) -> dict:
+    manager(request, name)
+    ctx = context(request)
+    await ctx.client.unpin_adapter(name)
+    logger.info("adapter %r unpinned", name)
     return await entry_of(ctx, name)
