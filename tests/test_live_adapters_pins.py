@@ -66,6 +66,20 @@ def test_a_pin_survives_the_pressure_that_evicts_it_without_one(pinned: bool, ti
     manager.close()
 
 
+def test_a_pin_on_weights_not_in_host_memory_reads_and_keeps_them(tiny_llama: Path,
+                                                                  tiny_llama_adapters: dict[str, Path]) -> None:
+    manager = make_manager(ModelConfig.from_hf(tiny_llama), max_loras=2, max_cpu_loras=2)
+    a, b, c, d = (manager.load(n, tiny_llama_adapters[n]).version_id for n in ("r8_all", "r4_attn", "r2_qv",
+                                                                              "r16_mlp"))
+    assert not manager.host.contains(a)  # pushed out of host memory by the later loads
+    manager.pin("r8_all")  # starts the background re-read; the pin is taken when it lands
+    manager.wait_for_read(a, timeout=30)
+    assert a in manager.slot_table.slot_of and manager.host.contains(a)
+    rotate(manager, [b, c, d, b, c, d])
+    assert a in manager.slot_table.slot_of and manager.host.contains(a)
+    manager.close()
+
+
 def test_pins_follow_versions_wait_for_a_slot_and_are_bounded(tiny_llama: Path,
                                                              tiny_llama_adapters: dict[str, Path]) -> None:
     manager = make_manager(ModelConfig.from_hf(tiny_llama), max_loras=3, max_cpu_loras=4)
