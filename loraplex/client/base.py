@@ -33,7 +33,7 @@ from loraplex.client.directory import AdapterDirectory, Version
 from loraplex.client.output import OutputProcessor, RequestOutput
 from loraplex.client.stream import RequestStream, deliver
 from loraplex.engine.request import NO_TAGS, EngineOutput, NewRequest, RequestTags, SamplingParams
-from loraplex.engine.wire import EngineInfo
+from loraplex.engine.wire import EngineInfo, TensorBlob
 from loraplex.errors import RequestError
 
 if TYPE_CHECKING:
@@ -243,12 +243,14 @@ class EngineClient(abc.ABC):
         """``engine.<method>(*args, **kwargs)`` off the event loop (a worker thread, or the engine process)."""
 
     async def load_adapter(self, name: str, path: str | None = None, *,
-                           tensors: Mapping[str, torch.Tensor] | None = None, config: Mapping | str | None = None,
-                           new_version: bool = False, roots: list[str] | None = None) -> AdapterInfo:
+                           tensors: Mapping[str, torch.Tensor] | TensorBlob | None = None,
+                           config: Mapping | str | None = None, new_version: bool = False,
+                           roots: list[str] | None = None) -> AdapterInfo:
         """Validate and register a PEFT folder ``path``, or ``tensors`` with their ``config`` (exactly one;
-        ``Engine.load_adapter``); raises ``AdapterError`` subclasses. ``new_version``: a loaded ``name`` moves
-        to the new version at once (its requests in flight finish on theirs). ``roots``: every file a folder
-        load reads must resolve inside one of these folders."""
+        ``Engine.load_adapter``; ``tensors`` may be a ``TensorBlob``, a safetensors file's bytes, parsed in the
+        engine's process off the event loop); raises ``AdapterError`` subclasses. ``new_version``: a loaded
+        ``name`` moves to the new version at once (its requests in flight finish on theirs). ``roots``: every
+        file a folder load reads must resolve inside one of these folders."""
         return await self._call("load_adapter", name, path, tensors=tensors, config=config,
                                 new_version=new_version, roots=roots)
 

@@ -132,8 +132,9 @@ class TensorBlob:
 
 
 def packed_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """A call's keyword arguments with tensor mappings as ``TensorBlob`` s (the sending side)."""
-    return {k: TensorBlob.of(v) if k == "tensors" and v is not None else v for k, v in kwargs.items()}
+    """A call's keyword arguments with tensor mappings as ``TensorBlob`` s (the sending side; a blob already,
+    e.g. an uploaded file's bytes, travels as it is)."""
+    return {k: TensorBlob.of(v) if k == "tensors" and isinstance(v, Mapping) else v for k, v in kwargs.items()}
 
 
 def unpacked_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:

@@ -32,10 +32,10 @@ import math
 import re
 from typing import Any
 
-import torch
 from fastapi import APIRouter, Body, Request
 
-from loraplex.adapters.reading.safetensors_file import parse_safetensors_bytes
+from loraplex.adapters.reading.safetensors_file import HEADER_LENGTH_BYTES, header_length, parse_header
+from loraplex.engine.wire import TensorBlob
 from loraplex.errors import InvalidAdapter, RequestError, UnknownAdapter
 from loraplex.server.context import ServerContext, context
 from loraplex.server.openai.errors import ServerError
@@ -166,15 +166,17 @@ UPLOAD_BODY = {"requestBody": {"required": True, "description": (
     "content": {UPLOAD_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}}
 
 
-def parse_upload(body: bytes, name: str) -> tuple[dict[str, torch.Tensor], str]:
-    """``(tensors, adapter_config JSON text)`` of a PUT body (one safetensors file); ``InvalidAdapter`` (400)
-    naming the problem: a malformed file (``safetensors_file.parse_header``'s checks) or no config."""
+def parse_upload(body: bytes, name: str) -> tuple[int, str]:
+    """``(tensor count, adapter_config JSON text)`` of a PUT body (one safetensors file), checked here so that a
+    malformed file (``safetensors_file.parse_header``'s checks) or a missing config is a 400 (``InvalidAdapter``)
+    before the engine sees it; the engine parses the same bytes again with the same checks."""
     what = f"PUT /v1/adapters/{name}: the body"
-    tensors, metadata = parse_safetensors_bytes(bytearray(body), what)
-    config = metadata.get("adapter_config")
+    length = header_length(body[:HEADER_LENGTH_BYTES], len(body), what)
+    header = parse_header(body[HEADER_LENGTH_BYTES : HEADER_LENGTH_BYTES + length], len(body), what)
+    config = header.metadata.get("adapter_config")
     if config is None:
         raise InvalidAdapter(f'{what} has no __metadata__["adapter_config"] (the adapter_config.json text)')
-    return tensors, config
+    return len(header.specs), config
 
 
 @router.put("/v1/adapters/{name}", response_model=AdapterVersions, openapi_extra=UPLOAD_BODY,
@@ -192,14 +194,15 @@ async def put_adapter(name: str, request: Request) -> dict:
         raise ServerError(415, f"the body must be a safetensors file sent as Content-Type: {UPLOAD_MEDIA_TYPE} "
                           f"(got {media or 'none'!r})", "Content-Type")
     try:
-        tensors, config = await asyncio.to_thread(parse_upload, await request.body(), name)
-        info = await ctx.client.load_adapter(name, tensors=tensors, config=config, new_version=True)
+        body = await request.body()
+        count, config = await asyncio.to_thread(parse_upload, body, name)
+        info = await ctx.client.load_adapter(name, tensors=TensorBlob(body), config=config, new_version=True)
     except Exception:
         ctx.metrics.runtime_loads.labels("error").inc()
         raise
     ctx.metrics.runtime_loads.labels("ok").inc()
     reset_openapi(request.app)
-    logger.info("adapter %r version v%d loaded from %d uploaded tensors", name, info.version_id, len(tensors))
+    logger.info("adapter %r version v%d loaded from %d uploaded tensors", name, info.version_id, count)
     return await entry_of(ctx, name)
 
 
