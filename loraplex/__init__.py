@@ -11,6 +11,7 @@ from loraplex.errors import (
     AdapterMemoryBudgetExceeded,
     AdapterNotFound,
     AdapterOverflow,
+    AdapterPinLimit,
     AdapterRankTooLarge,
     AdapterShapeMismatch,
     ForbiddenAdapterPath,
@@ -37,5 +38,5 @@ __all__ = [
     "LLM", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutput", "LoraplexError", "AdapterError",
     "AdapterNotFound", "InvalidAdapter", "AdapterRankTooLarge", "UnsupportedAdapter", "AdapterShapeMismatch",
     "AdapterAlreadyLoaded", "UnknownAdapter", "AdapterContentChanged", "AdapterMemoryBudgetExceeded", "ModelError",
-    "RequestError", "AdapterOverflow", "ForbiddenAdapterPath", "InvalidAdapterName",
+    "RequestError", "AdapterOverflow", "ForbiddenAdapterPath", "InvalidAdapterName", "AdapterPinLimit",
 ]

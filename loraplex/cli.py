@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: no binding)")
     serve.add_argument("--prepare-workers", type=nonnegative_int, default=2, metavar="N",
                        help="processes that parse, template and tokenize requests (0: threads of the API process)")
+    serve.add_argument("--pin-adapter", action="append", default=[], metavar="NAME",
+                       help="keep this start-up adapter in a device slot and host memory (repeatable; at most "
+                            "--max-loras - 1)")
     serve.add_argument("--in-process-engine", action="store_true",
                        help="run the step loop in a thread of the API process instead of its own process")
     gen = sub.add_parser("generate", help="print completions of PROMPT(s)")
@@ -210,6 +213,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                          api_key=args.api_key, api_keys=keys, load_on_demand=args.load_on_demand,
                          max_request_bytes=args.max_request_bytes,
                          preparer=preparer, request_timeout=args.request_timeout or None)
+        _pin(client, args.pin_adapter, parser)
         stats, adapters = asyncio.run(_describe(client))
         info = client.info
         logger.info("model %s (%s) dtype %s on %s; engine %s (pid %d)", info.model_name, info.model_path, info.dtype,
@@ -217,7 +221,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         logger.info("%d adapter slots, %d in host memory, max rank %d; KV cache %d blocks x %d tokens, prefix "
                     "caching %s", config.max_loras, config.max_cpu_loras, config.max_lora_rank,
                     stats.kv_blocks_total, config.block_size, "on" if config.enable_prefix_caching else "off")
-        logger.info("adapters: %s", ", ".join(f"{i.name}={i.path}" for i in adapters) or "none")
+        logger.info("adapters: %s; pinned: %s", ", ".join(f"{i.name}={i.path}" for i in adapters) or "none",
+                    ", ".join(args.pin_adapter) or "none")
         logger.info("runtime adapter loading %s%s; auth %s", "on" if args.allow_runtime_adapters else "off",
                     f" (roots: {', '.join(args.adapter_root)})" if args.adapter_root else "",
                     f"on ({len(keys.keys)} scoped keys)" if keys else "on" if args.api_key else "off")
@@ -250,6 +255,17 @@ def _start_engine(args: argparse.Namespace, config: EngineConfig) -> EngineClien
 
 def _exit_normally(signum: int, frame: object) -> None:
     raise SystemExit(0)
+
+
+def _pin(client: EngineClient, names: Sequence[str], parser: argparse.ArgumentParser) -> None:
+    """``--pin-adapter`` names, pinned once the start-up adapters are loaded; a refusal is a usage error."""
+    import asyncio
+
+    for name in names:
+        try:
+            asyncio.run(client.pin_adapter(name))
+        except LoraplexError as exc:
+            parser.error(f"--pin-adapter {name}: {exc}")
 
 
 async def _describe(client: EngineClient) -> tuple:

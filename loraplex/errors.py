@@ -95,6 +95,13 @@ class AdapterVersionConflict(AdapterError):
     error_type = "conflict_error"
 
 
+class AdapterPinLimit(AdapterError):
+    """Pinning one more adapter would leave no device slot for the others (at most ``max_loras - 1`` pinned)."""
+
+    http_status = 409
+    error_type = "conflict_error"
+
+
 class AdapterMemoryBudgetExceeded(AdapterError):
     """Loading the adapter would pass the memory budget for saved vocabulary rows."""
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from loraplex.adapters.info import AdapterInfo
@@ -49,13 +50,25 @@ class LLM:
     def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
         return self.engine.tokenizer
 
-    def load_adapter(self, name: str, path: str | Path, new_version: bool = False) -> AdapterInfo:
-        """Validate and register a PEFT adapter folder; raises ``loraplex.AdapterError`` subclasses.
-        ``new_version``: a loaded ``name`` moves to the new version (requests in flight keep theirs)."""
-        return self.engine.load_adapter(name, path, new_version)
+    def load_adapter(self, name: str, path: str | Path | None = None, *,
+                     tensors: Mapping[str, torch.Tensor] | None = None, config: Mapping | str | None = None,
+                     new_version: bool = False) -> AdapterInfo:
+        """Validate and register a PEFT adapter: the folder ``path``, or ``tensors`` (PEFT state-dict keys, as in
+        ``adapter_model.safetensors``) with ``config`` (``adapter_config.json``'s content as a dict): exactly
+        one of the two. Raises ``loraplex.AdapterError`` subclasses. ``new_version``: a loaded ``name`` moves
+        to the new version (requests in flight keep theirs)."""
+        return self.engine.load_adapter(name, path, tensors=tensors, config=config, new_version=new_version)
 
     def unload_adapter(self, name: str) -> None:
         self.engine.unload_adapter(name)
+
+    def pin_adapter(self, name: str) -> None:
+        """Keep ``name``'s current version in a device slot and its host copy until ``unpin_adapter`` or unload;
+        at most ``max_loras - 1`` names may be pinned (``AdapterPinLimit`` past that)."""
+        self.engine.pin_adapter(name)
+
+    def unpin_adapter(self, name: str) -> None:
+        self.engine.unpin_adapter(name)
 
     def list_adapters(self) -> list[AdapterInfo]:
         return self.engine.list_adapters()

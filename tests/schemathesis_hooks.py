@@ -87,6 +87,36 @@ def filter_case(ctx: schemathesis.HookContext, case: Any) -> bool:
     operation = ctx.operation.path if ctx.operation is not None else ""
     meta = getattr(case, "meta", None)
     negative = meta is not None and getattr(meta.generation.mode, "value", "") == "negative"
+    if operation == "/v1/adapters/{name}" and case.method.upper() == "PUT":
+        return negative or case.body == _adapter_upload()  # see map_body
     if negative or not operation.endswith("completions") or not isinstance(case.body, dict):
         return True
     return not _bad_constraint(case.body)
+
+
+@functools.cache
+def _adapter_upload() -> bytes:
+    """A valid ``PUT /v1/adapters/{name}`` body for the served model: a rank-1 LoRA on layer 0's q_proj."""
+    import json
+
+    import safetensors.torch
+    import torch
+
+    from loraplex.config import ModelConfig
+
+    q_proj = ModelConfig.from_hf(os.environ["LORAPLEX_TEST_MODEL"]).projections()["q_proj"]
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    tensors = {f"{prefix}.lora_A.weight": torch.full((1, q_proj.in_features), 0.01),
+               f"{prefix}.lora_B.weight": torch.full((q_proj.out_features, 1), 0.01)}
+    config = {"peft_type": "LORA", "r": 1, "lora_alpha": 1, "target_modules": ["q_proj"]}
+    return safetensors.torch.save(tensors, metadata={"adapter_config": json.dumps(config)})
+
+
+@schemathesis.hook
+def map_body(ctx: schemathesis.HookContext, body: object) -> object:
+    """Any string is schema-valid for an adapter upload, but only a safetensors adapter is one (its hostile
+    bodies are tested in ``test_live_adapters.py``): uploads carry a valid adapter."""
+    operation = ctx.operation
+    if operation is not None and operation.method.upper() == "PUT" and operation.path == "/v1/adapters/{name}":
+        return _adapter_upload()
+    return body

@@ -24,7 +24,8 @@ class NullWriter:
         pass
 
 
-EMPTY = {"adapter": None, "version": None, "rank": None, "pins": 0, "last_used": None, "unloaded": False}
+EMPTY = {"adapter": None, "version": None, "rank": None, "pins": 0, "pinned": False, "last_used": None,
+         "unloaded": False}
 
 
 def test_snapshot_follows_loads_pins_evictions_and_unloads(tiny_llama: Path,
@@ -45,8 +46,8 @@ def test_snapshot_follows_loads_pins_evictions_and_unloads(tiny_llama: Path,
     assert snap["max_loras"] == 2 and snap["max_cpu_loras"] == 2 and snap["slot_version"] == 2
     assert before <= snap["slots"][0]["last_used"] <= snap["slots"][1]["last_used"] <= after <= snap["time"]
     assert [{k: v for k, v in s.items() if k != "last_used"} for s in snap["slots"]] == [
-        {"slot": 0, "adapter": "r4_attn", "version": 2, "rank": 4, "pins": 2, "unloaded": False},
-        {"slot": 1, "adapter": "r2_qv", "version": 3, "rank": 2, "pins": 0, "unloaded": False},
+        {"slot": 0, "adapter": "r4_attn", "version": 2, "rank": 4, "pins": 2, "pinned": False, "unloaded": False},
+        {"slot": 1, "adapter": "r2_qv", "version": 3, "rank": 2, "pins": 0, "pinned": False, "unloaded": False},
     ]
     assert snap["host"] == [{"adapter": "r4_attn", "version": 2, "rank": 4},
                             {"adapter": "r2_qv", "version": 3, "rank": 2}]  # least recently used first

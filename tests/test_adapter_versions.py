@@ -34,7 +34,7 @@ def test_promote_then_roll_back_moves_the_name_and_keeps_pins(model_config: Mode
     with pytest.raises(AdapterVersionConflict, match="no version older than v"):
         manager.with_versions(lambda v: v.rollback("x"))
     listing = manager.with_versions(lambda v: v.listing())
-    assert listing == [{"name": "x", "current": f"v{v1.version_id}", "split": None, "versions": [
+    assert listing == [{"name": "x", "current": f"v{v1.version_id}", "split": None, "pinned": False, "versions": [
         {"id": f"v{i.version_id}", "content_hash": i.content_hash, "path": str(i.path), "loaded_at": i.loaded_at,
          "requests_served": 0} for i in (v1, v2)]}]
     assert v1.content_hash != v2.content_hash and v2.loaded_at >= v1.loaded_at > 0

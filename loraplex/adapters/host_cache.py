@@ -43,6 +43,17 @@ class HostCache:
             evicted.append(old_id)
         return evicted
 
+    def set_kept(self, version_id: int, keep: bool) -> list[int]:
+        """Mark a resident entry kept or not (a pinned adapter's host copy); returns the ids evicted to stay
+        within capacity once it counts again."""
+        if version_id not in self._entries:
+            return []
+        if keep:
+            self._kept.add(version_id)
+            return []
+        self._kept.discard(version_id)
+        return self.put(version_id, self._entries[version_id])
+
     def pop(self, version_id: int) -> AdapterWeights | None:
         """Remove and return the weights, or None if absent."""
         self._kept.discard(version_id)

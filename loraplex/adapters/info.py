@@ -24,6 +24,7 @@ class AdapterInfo:
     tokenizer: Any = field(default=None, compare=False, repr=False)  # its own, or None: the base model's
     loaded_at: float = 0.0  # when this version was loaded (Unix time)
     roots: tuple[str, ...] | None = None  # the allowed roots it was loaded under (its re-reads keep them)
+    in_memory: bool = False  # loaded from tensors: no folder to re-read, so its weights stay in host memory
 
 
 @dataclass

@@ -19,6 +19,10 @@ LRU), device slots (``max_loras``, written through ``writer``).
 - ``load`` folds the version against the base weights once (``writer.prepare``: DoRA scales), reads its
   own tokenizer if it ships one, and reserves its saved vocabulary rows in ``SavedRowsBudget`` (kept
   in host memory while held); ``AdapterMemoryBudgetExceeded`` past the budget.
+- Pins (an operator's): ``pin(name)`` keeps the name's current version in a device slot (one slot pin of its
+  own, taken as soon as a slot can be had) and its weights in host memory, following the name through
+  promotions and rollbacks, until ``unpin`` or ``unload``. At most ``max_loras - 1`` names are pinned, so one
+  slot always serves the rest (``AdapterPinLimit``).
 - One re-entrant lock guards all state; adapter files are never read while it is held: a load's name
   check, reading, validation, folding and tokenizer run in the caller's thread before it takes the lock
   (to register the version), so a hostile file delays only its own load, never ``lora_batch`` or
@@ -31,10 +35,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
+
+import torch
 
 from loraplex.adapters.batch_indices import BatchIndices
 from loraplex.adapters.budget import SavedRowsBudget
@@ -44,7 +50,7 @@ from loraplex.adapters.integrity import check_tiers
 from loraplex.adapters.names import check_adapter_name
 from loraplex.adapters.read_ahead import ReadAhead, read_ahead_depth
 from loraplex.adapters.reading.overflow_bound import check_dora_scales
-from loraplex.adapters.reading.peft_format import read_peft_adapter
+from loraplex.adapters.reading.peft_format import in_memory_source, read_peft_adapter, read_peft_adapter_from_tensors
 from loraplex.adapters.reading.tokenizer import read_adapter_tokenizer
 from loraplex.adapters.reading.weights import AdapterWeights
 from loraplex.adapters.rereads import Rereads
@@ -52,7 +58,7 @@ from loraplex.adapters.slots import SlotTable, SlotWriter
 from loraplex.adapters.snapshot import tier_snapshot
 from loraplex.adapters.versions import VersionTable, VersionView
 from loraplex.config import ModelConfig
-from loraplex.errors import AdapterAlreadyLoaded, AdapterError, UnknownAdapter
+from loraplex.errors import AdapterAlreadyLoaded, AdapterError, AdapterPinLimit, UnknownAdapter
 from loraplex.ops.lora_batch import BatchMapping, LoRABatch
 
 logger = logging.getLogger(__name__)
@@ -78,6 +84,7 @@ class AdapterManager:
         self._next_id = 1
         self._rereads = Rereads(self._read, self._reread_done, ReadAhead(read_ahead_depth(max_loras, max_cpu_loras)))
         self._indices = BatchIndices()
+        self._pin_holds: set[int] = set()  # pinned versions holding their own slot pin
         self._checked_version = 0
 
     def load(self, name: str, path: str | Path, new_version: bool = False,
@@ -91,19 +98,40 @@ class AdapterManager:
         weights = self._read(path, kept_roots)
         vocab_size = weights.vocab_size or self.model_config.vocab_size
         tokenizer = read_adapter_tokenizer(path, self.base_tokenizer, vocab_size, kept_roots)
+        return self._register(name, weights, new_version, tokenizer, kept_roots, in_memory=False)
+
+    def load_tensors(self, name: str, tensors: Mapping[str, torch.Tensor], config: Mapping | str | bytes,
+                     new_version: bool = False) -> AdapterInfo:
+        """``load`` from PEFT state-dict ``tensors`` and their ``adapter_config`` (an object or its JSON text),
+        validated exactly as a folder is (``read_peft_adapter_from_tensors``). The version has no folder: its
+        weights stay in host memory until it is dropped (never evicted, never re-read) and it ships no
+        tokenizer (the base model's serves it)."""
+        check_adapter_name(name)
+        source = in_memory_source(name)
+        self._check_name_free(name, source, new_version)
+        weights = self.writer.prepare(read_peft_adapter_from_tensors(tensors, config, self.model_config,
+                                                                     self.max_lora_rank, source))
+        check_dora_scales(weights)
+        return self._register(name, weights, new_version, None, None, in_memory=True)
+
+    def _register(self, name: str, weights: AdapterWeights, new_version: bool, tokenizer: Any,
+                  roots: tuple[str, ...] | None, in_memory: bool) -> AdapterInfo:
+        """Register validated, folded ``weights`` as the new version of ``name`` (under the lock)."""
         with self._lock:
-            self._check_name_free(name, path, new_version)
+            self._check_name_free(name, weights.path, new_version)
             info = AdapterInfo(name, weights.path, self._next_id, weights.content_hash, weights.max_rank,
                                weights.vocab_size, weights.saved_bytes, weights.uses_dora, tokenizer, time.time(),
-                               kept_roots)
-            self.budget.reserve(info.version_id, info.saved_bytes, f"{path}: adapter {name!r}")
+                               roots, in_memory)
+            self.budget.reserve(info.version_id, info.saved_bytes, f"{weights.path}: adapter {name!r}")
             self._next_id += 1
             self._infos[info.version_id] = info
             for old in self.versions.add(info):
                 self._drop_if_unused(old.version_id)
             self._put_host(info.version_id, weights)
             self._counters.loads += 1
-        logger.info("loaded adapter %r (id %d, rank %d) from %s", name, info.version_id, info.max_rank, path)
+            self._follow_pins()
+        logger.info("loaded adapter %r (id %d, rank %d) from %s", name, info.version_id, info.max_rank,
+                    weights.path)
         return info
 
     def unload(self, name: str) -> AdapterInfo:
@@ -111,6 +139,7 @@ class AdapterManager:
         the requests holding a version still run on it, and it is dropped when the last one ends."""
         with self._lock:
             infos = self.versions.remove(name)
+            self._follow_pins()
             for info in infos:
                 self._drop_if_unused(info.version_id)
         logger.info("unloaded adapter %r (versions %s)", name, ", ".join(f"v{i.version_id}" for i in infos))
@@ -158,9 +187,34 @@ class AdapterManager:
             return self.versions.view()
 
     def with_versions(self, operation: Callable[[VersionTable], T]) -> T:
-        """``operation(self.versions)`` under the lock: rollback, split, listing (``VersionTable``)."""
+        """``operation(self.versions)`` under the lock: rollback, split, listing (``VersionTable``); pins follow
+        the names' current versions after it."""
         with self._lock:
-            return operation(self.versions)
+            result = operation(self.versions)
+            self._follow_pins()
+            return result
+
+    def pin(self, name: str) -> None:
+        """Pin ``name``: its current version keeps a device slot and its host copy (module docstring);
+        ``UnknownAdapter`` if not loaded, ``AdapterPinLimit`` past ``max_loras - 1`` pinned names."""
+        with self._lock:
+            if self.versions.current(name) is None:
+                raise UnknownAdapter(f"no adapter named {name!r} is loaded")
+            pinned = self.versions.pinned
+            limit = self.slot_table.max_loras - 1
+            if name not in pinned and len(pinned) >= limit:
+                raise AdapterPinLimit(
+                    f"cannot pin {name!r}: {len(pinned)} adapters are pinned ({', '.join(pinned) or 'none'}) and at "
+                    f"most max_loras - 1 = {limit} may be, so that one slot stays free for the others")
+            self.versions.pin(name)
+            self._follow_pins()
+
+    def unpin(self, name: str) -> None:
+        """Drop ``name``'s pin; its slot becomes evictable once no request uses it (``UnknownAdapter`` if not
+        loaded)."""
+        with self._lock:
+            self.versions.unpin(name)
+            self._follow_pins()
 
     def list(self) -> list[AdapterInfo]:
         """The version each name serves, in load order of the names."""
@@ -241,6 +295,7 @@ class AdapterManager:
         with self._lock:
             if self.slot_table.release(version_id) == 0:
                 self._drop_if_unused(version_id)
+                self._settle_pins()
 
     def wait_for_read(self, version_id: int, timeout: float | None = None) -> None:
         """Block until a background re-read of ``version_id`` (if one is running) has finished."""
@@ -259,15 +314,16 @@ class AdapterManager:
     def counters(self) -> dict[str, int]:
         """A snapshot of ``AdapterCounters`` plus the current tier occupancy, for metrics."""
         with self._lock:
-            return dict(asdict(self._counters), slots_in_use=self.slot_table.in_use(),
-                        slots_pinned=self.slot_table.pinned(), host_adapters=len(self.host),
-                        registered=len(self.versions.currents()))
+            by_requests = sum(self.slot_table.pins(v) > (v in self._pin_holds) for v in self.slot_table.slot_of)
+            return dict(asdict(self._counters), slots_in_use=self.slot_table.in_use(), slots_pinned=by_requests,
+                        host_adapters=len(self.host), registered=len(self.versions.currents()),
+                        adapters_pinned=len(self.versions.pinned))
 
     def snapshot(self) -> dict[str, Any]:
         """Slots, pins, last use, host tier, registry and counters at one instant (``adapters/snapshot.py``)."""
         with self._lock:
             return tier_snapshot(self.slot_table, self.host, self._infos, self.versions.all_held(),
-                                 asdict(self._counters))
+                                 asdict(self._counters), self.versions.pinned_versions())
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless slots, pins, writer-visible state and registry agree."""
@@ -296,12 +352,39 @@ class AdapterManager:
         return weights
 
     def _put_host(self, version_id: int, weights: AdapterWeights) -> None:
-        keep = self.budget.holds(version_id)  # saved rows stay resident while loaded
-        self._counters.host_evictions += len(self.host.put(version_id, weights, keep=keep))
+        # saved rows stay resident while loaded; so do weights that exist nowhere else
+        self._counters.host_evictions += len(self.host.put(version_id, weights, keep=self._keeps_host(version_id)))
+
+    def _keeps_host(self, version_id: int) -> bool:
+        """Whether ``version_id``'s weights must stay in host memory: saved rows stay resident while loaded, a
+        pinned version's copy stays, and weights loaded from tensors exist nowhere else."""
+        return (self.budget.holds(version_id) or self._infos[version_id].in_memory
+                or version_id in self.versions.pinned_versions())
+
+    def _follow_pins(self) -> None:
+        """Each pinned name's current version holds one slot pin of its own (``_settle_pins``); a version no
+        pinned name serves any more gives its pin back and its host copy counts in the LRU again."""
+        wanted = self.versions.pinned_versions()
+        for version_id in sorted(self._pin_holds - wanted):
+            self._pin_holds.discard(version_id)
+            self._counters.host_evictions += len(self.host.set_kept(version_id, self._keeps_host(version_id)))
+            self.release(version_id)
+        for version_id in wanted:
+            self.host.set_kept(version_id, True)
+        self._settle_pins()
+
+    def _settle_pins(self) -> None:
+        """Take the slot pin of every pinned version that lacks one, where a slot can be had now (else at the next
+        release, or when its background re-read lands)."""
+        for version_id in sorted(self.versions.pinned_versions() - self._pin_holds):
+            if self.can_acquire(version_id):
+                self.acquire(version_id)
+                self._pin_holds.add(version_id)
 
     def _drop_if_unused(self, version_id: int) -> None:
         """Forget a version that is not held, holds no request and no pin: everything kept for it is freed."""
-        if self.versions.is_held(version_id) or self.versions.in_use(version_id) or self.slot_table.pins(version_id):
+        if version_id not in self._infos or self.versions.is_held(version_id) or self.versions.in_use(version_id) \
+                or self.slot_table.pins(version_id):
             return
         del self._infos[version_id]
         self._failures.pop(version_id, None)
@@ -325,3 +408,4 @@ class AdapterManager:
                 logger.warning("%s", error)
             elif weights is not None:
                 self._put_host(info.version_id, weights)
+                self._settle_pins()

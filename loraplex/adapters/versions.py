@@ -14,6 +14,8 @@ optional weighted split between held versions (a canary).
   version (it must still be held: a version that was unloaded or retired is gone for new requests) and
   counts it (``in_flight``) until ``release``; a version that left the table stays in use while any
   request holds it, and ``release`` says when its last one ended (its memory may be freed then).
+- ``pinned``: the names an operator pinned (``AdapterManager.pin``): each one's current version keeps a device
+  slot and its host copy; unloading the name drops its pin.
 - ``generation`` counts the table's changes (every load, unload, promotion, rollback, split, retirement):
   a copy of it elsewhere (a frontend's directory, another process's) is current exactly while its
   generation equals this one. ``view()`` is that copy, as plain data.
@@ -72,6 +74,7 @@ class VersionTable:
         self._by_id: dict[int, AdapterInfo] = {}
         self.served: dict[int, int] = {}  # version id -> API requests admitted on it (held versions)
         self.in_flight: dict[int, int] = {}  # version id -> engine requests holding it now (held or not)
+        self.pinned: dict[str, None] = {}  # pinned names, in pin order (an ordered set)
 
     def current(self, name: str) -> AdapterInfo | None:
         return self._current.get(name)
@@ -114,6 +117,7 @@ class VersionTable:
         current = self._current.pop(name)
         held = self._held.pop(name)
         self._split.pop(name, None)
+        self.pinned.pop(name, None)
         for info in held:
             del self._by_id[info.version_id]
             self.served.pop(info.version_id, None)
@@ -149,6 +153,20 @@ class VersionTable:
         else:
             self._split[name] = dict(sorted(weights.items()))
         self.generation += 1
+
+    def pin(self, name: str) -> None:
+        """Mark ``name`` pinned (``UnknownAdapter`` if it is not loaded)."""
+        self._require(name)
+        self.pinned[name] = None
+
+    def unpin(self, name: str) -> None:
+        """Drop ``name``'s pin (``UnknownAdapter`` if it is not loaded; a name without one is left as it is)."""
+        self._require(name)
+        self.pinned.pop(name, None)
+
+    def pinned_versions(self) -> set[int]:
+        """The current version of every pinned name: the versions that keep a slot."""
+        return {self._current[name].version_id for name in self.pinned}
 
     def hold(self, version_id: int) -> AdapterInfo:
         """Admit one engine request on exactly ``version_id``, which it holds until ``release``;
@@ -188,7 +206,7 @@ class VersionTable:
     def listing(self) -> list[dict[str, Any]]:
         """Every name with its current version, split and held versions, as JSON-serialisable data."""
         return [{"name": name, "current": f"v{current.version_id}",
-                 "split": {f"v{i}": w for i, w in self.split(name).items()} or None,
+                 "split": {f"v{i}": w for i, w in self.split(name).items()} or None, "pinned": name in self.pinned,
                  "versions": [{"id": f"v{i.version_id}", "content_hash": i.content_hash, "path": str(i.path),
                                "loaded_at": i.loaded_at, "requests_served": self.served[i.version_id]}
                               for i in self._held[name]]}

@@ -24,7 +24,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,10 +33,11 @@ from loraplex.client.directory import AdapterDirectory, Version
 from loraplex.client.output import OutputProcessor, RequestOutput
 from loraplex.client.stream import RequestStream, deliver
 from loraplex.engine.request import NO_TAGS, EngineOutput, NewRequest, RequestTags, SamplingParams
-from loraplex.engine.wire import EngineInfo
+from loraplex.engine.wire import EngineInfo, TensorBlob
 from loraplex.errors import RequestError
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
     from loraplex.adapters.info import AdapterInfo
@@ -238,18 +239,30 @@ class EngineClient(abc.ABC):
 
     # ---- engine calls (``wire.EngineCalls``), off the event loop ----
     @abc.abstractmethod
-    async def _call(self, method: str, *args: Any) -> Any:
-        """``engine.<method>(*args)`` off the event loop (a worker thread, or the engine process)."""
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``engine.<method>(*args, **kwargs)`` off the event loop (a worker thread, or the engine process)."""
 
-    async def load_adapter(self, name: str, path: str, new_version: bool = False,
+    async def load_adapter(self, name: str, path: str | None = None, *,
+                           tensors: Mapping[str, torch.Tensor] | TensorBlob | None = None,
+                           config: Mapping | str | None = None, new_version: bool = False,
                            roots: list[str] | None = None) -> AdapterInfo:
-        """Validate and register a PEFT folder; raises ``AdapterError`` subclasses. ``new_version``: a loaded
+        """Validate and register a PEFT folder ``path``, or ``tensors`` with their ``config`` (exactly one;
+        ``Engine.load_adapter``; ``tensors`` may be a ``TensorBlob``, a safetensors file's bytes, parsed in the
+        engine's process off the event loop); raises ``AdapterError`` subclasses. ``new_version``: a loaded
         ``name`` moves to the new version at once (its requests in flight finish on theirs). ``roots``: every
-        file the load reads must resolve inside one of these folders."""
-        return await self._call("load_adapter", name, path, new_version, roots)
+        file a folder load reads must resolve inside one of these folders."""
+        return await self._call("load_adapter", name, path, tensors=tensors, config=config,
+                                new_version=new_version, roots=roots)
 
     async def unload_adapter(self, name: str) -> None:
         await self._call("unload_adapter", name)
+
+    async def pin_adapter(self, name: str) -> None:
+        """Keep ``name`` in a device slot and host memory until unpinned or unloaded (``Engine.pin_adapter``)."""
+        await self._call("pin_adapter", name)
+
+    async def unpin_adapter(self, name: str) -> None:
+        await self._call("unpin_adapter", name)
 
     async def rollback_adapter(self, name: str) -> AdapterInfo:
         """Move ``name`` back to its previous held version (``AdapterVersionConflict`` if none); returns it."""

@@ -35,6 +35,7 @@ from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
 from loraplex.engine.request import NewRequest, RequestTags
 from loraplex.engine.step_loop import run_step_loop
+from loraplex.engine.wire import unpacked_kwargs
 from loraplex.errors import EngineUnavailable
 
 logger = logging.getLogger(__name__)
@@ -126,8 +127,9 @@ class AsyncEngine(EngineClient):
         self.engine.abort_request(request_id)
         self._wakeup.set()
 
-    async def _call(self, method: str, *args: Any) -> Any:
-        result = await asyncio.to_thread(getattr(self.engine, method), *args)
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        call = getattr(self.engine, method)
+        result = await asyncio.to_thread(lambda: call(*args, **unpacked_kwargs(kwargs)))
         self._wakeup.set()  # an unload may end queued requests
         return result
 

@@ -157,20 +157,20 @@ class EngineProcess(EngineClient):
         self._outbox.put(m.Abort(request_id))
 
     # ---- engine calls ----
-    async def _call(self, method: str, *args: Any) -> Any:
-        result, view = await asyncio.wrap_future(self.call(method, *args))
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        result, view = await asyncio.wrap_future(self.call(method, *args, **kwargs))
         if view is not None:
             try:
                 await asyncio.to_thread(self.directory.update, view)
             except Exception:
                 if method == "load_adapter":  # this process cannot read its tokenizer: undo the load
-                    name, new_version = args[0], args[2] if len(args) > 2 else False
+                    name, new_version = args[0], kwargs.get("new_version", False)
                     await self._call("rollback_adapter" if new_version else "unload_adapter", name)
                 raise
         return result
 
-    def call(self, method: str, *args: Any) -> Future:
-        """Run ``engine.<method>(*args)`` in the engine process; a future of (its result, the version table
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Future:
+        """Run ``engine.<method>(*args, **kwargs)`` in the engine process; a future of (its result, the version table
         after it when the call changes it) (any thread)."""
         future: Future = Future()
         call_id = next(self._call_ids)
@@ -179,7 +179,7 @@ class EngineProcess(EngineClient):
                 future.set_exception(EngineUnavailable(f"the engine is {self._state.state}: {self._state.detail}"))
                 return future
             self._pending[call_id] = future
-        self._outbox.put(m.Call(call_id, method, args))
+        self._outbox.put(m.Call(call_id, method, args, m.packed_kwargs(kwargs)))
         return future
 
     # ---- the two threads ----

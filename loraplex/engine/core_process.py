@@ -112,7 +112,8 @@ class EngineCore:
         try:
             if call.method not in m.CALLABLE:
                 raise AttributeError(f"engine method {call.method!r} cannot be called from the API process")
-            reply = m.Reply(call.call_id, m.portable_result(getattr(self.engine, call.method)(*call.args)))
+            reply = m.Reply(call.call_id, m.portable_result(
+                getattr(self.engine, call.method)(*call.args, **m.unpacked_kwargs(call.kwargs))))
         except Exception as exc:
             reply = m.Reply(call.call_id, error=m.portable(exc))
         if call.method in m.CHANGES_VERSIONS and reply.error is None:

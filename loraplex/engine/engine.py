@@ -11,7 +11,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,11 +116,21 @@ class Engine:
         logger.info("%s", self.adapters.budget.describe(row_bytes * self.model_config.vocab_size, row_bytes))
 
     # ---- adapters (any thread) ----
-    def load_adapter(self, name: str, path: str | Path, new_version: bool = False,
+    def load_adapter(self, name: str, path: str | Path | None = None, *,
+                     tensors: Mapping[str, torch.Tensor] | None = None, config: Mapping | str | None = None,
+                     new_version: bool = False,
                      roots: Sequence[str] | None = None) -> AdapterInfo:
-        """A new version of ``name`` from ``path``; ``new_version`` promotes a loaded name (in-flight keep theirs).
-        ``roots``: every file the load reads must resolve inside one of these folders (``ForbiddenAdapterPath``)."""
-        info = self.adapters.load(name, str(path), new_version, roots)
+        """A new version of ``name`` from the PEFT folder ``path``, or from ``tensors`` (PEFT state-dict keys ->
+        tensors) and ``config`` (``adapter_config.json``'s content): exactly one of the two, validated alike
+        (the same typed errors). ``new_version`` promotes a loaded name (in-flight keep theirs). ``roots``:
+        every file a folder load reads must resolve inside one of these folders (``ForbiddenAdapterPath``)."""
+        if (path is None) == (tensors is None) or (tensors is None) != (config is None) or (roots and tensors):
+            raise ValueError("load_adapter takes exactly one of path (a folder, with optional roots) and "
+                             "tensors (with config)")
+        if tensors is not None:
+            info = self.adapters.load_tensors(name, tensors, config, new_version)
+        else:
+            info = self.adapters.load(name, str(path), new_version, roots)
         self._retire_dropped()
         return info
 
@@ -134,6 +144,14 @@ class Engine:
         """Versions dropped (unloaded and their last request ended): their cached KV blocks are freed next step."""
         for version_id in self.adapters.drain_dropped():
             self._inbox.put(_Retire(version_id))
+
+    def pin_adapter(self, name: str) -> None:
+        """Keep ``name``'s current version in a device slot and host memory until ``unpin_adapter`` or unload
+        (``AdapterManager.pin``; ``AdapterPinLimit`` past ``max_loras - 1`` pinned names)."""
+        self.adapters.pin(name)
+
+    def unpin_adapter(self, name: str) -> None:
+        self.adapters.unpin(name)
 
     def rollback_adapter(self, name: str) -> AdapterInfo:
         """Move ``name`` back to the held version before its current one (else ``AdapterVersionConflict``)."""

@@ -41,6 +41,7 @@ class EngineStats:
     # (running, waiting) requests per loaded adapter name with any in flight (None = the base model).
     requests_by_adapter: Mapping[str | None, tuple[int, int]] = field(default_factory=dict)
     step_failures: int = 0  # steps that raised: their requests failed, every other request kept running
+    adapters_pinned: int = 0  # adapter names an operator pinned (each keeps a slot)
 
 
 def collect_stats(config: EngineConfig, scheduler: Scheduler, blocks: BlockManager,
@@ -69,4 +70,4 @@ def collect_stats(config: EngineConfig, scheduler: Scheduler, blocks: BlockManag
         prefix_cache_blocks=blocks.num_cached, prefix_cache_evictions=blocks.evictions,
         prefix_cache_by_adapter={names[v]: counts for v, counts in by_version.items() if v in names},
         requests_by_adapter={name: (running, waiting) for name, (running, waiting) in in_flight.items()},
-        step_failures=step_failures)
+        step_failures=step_failures, adapters_pinned=c["adapters_pinned"])

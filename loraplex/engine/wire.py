@@ -20,11 +20,15 @@ import dataclasses
 import os
 import pickle
 import queue
+from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
+import torch
+
 from loraplex.adapters.info import AdapterInfo
+from loraplex.adapters.reading.safetensors_file import parse_safetensors_bytes, safetensors_bytes
 from loraplex.adapters.versions import VersionView
 from loraplex.config import EngineConfig
 from loraplex.engine.request import NO_TAGS, EngineOutput, NewRequest, RequestTags
@@ -49,9 +53,11 @@ class EngineCalls(Protocol):
     """The engine methods a frontend may call by name (``Call.method``), each off the step loop: the one
     list of them (``CALLABLE``); ``client/base.py`` implements each through its client's ``_call``."""
 
-    def load_adapter(self, name: str, path: str, new_version: bool = False,
-                     roots: list[str] | None = None) -> AdapterInfo: ...
+    def load_adapter(self, name: str, path: str | None = None, *, tensors: Any = None, config: Any = None,
+                     new_version: bool = False, roots: list[str] | None = None) -> AdapterInfo: ...
     def unload_adapter(self, name: str) -> None: ...
+    def pin_adapter(self, name: str) -> None: ...
+    def unpin_adapter(self, name: str) -> None: ...
     def rollback_adapter(self, name: str) -> AdapterInfo: ...
     def split_adapter(self, name: str, weights: dict[int, float]) -> None: ...
     def list_adapters(self) -> list[AdapterInfo]: ...
@@ -107,6 +113,33 @@ class Call:
     call_id: int
     method: str  # one of CALLABLE
     args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # ``TensorBlob`` s for tensor arguments
+
+
+@dataclass(frozen=True)
+class TensorBlob:
+    """Tensors as they cross the socket: one safetensors buffer (a pickled tensor would travel through torch's
+    shared-memory reductions), parsed on arrival with the checked parser."""
+
+    data: bytes
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> TensorBlob:
+        return cls(safetensors_bytes(tensors))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return parse_safetensors_bytes(bytearray(self.data), "tensors from the API process")[0]
+
+
+def packed_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """A call's keyword arguments with tensor mappings as ``TensorBlob`` s (the sending side; a blob already,
+    e.g. an uploaded file's bytes, travels as it is)."""
+    return {k: TensorBlob.of(v) if k == "tensors" and isinstance(v, Mapping) else v for k, v in kwargs.items()}
+
+
+def unpacked_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``packed_kwargs`` undone (the engine's side)."""
+    return {k: v.tensors() if isinstance(v, TensorBlob) else v for k, v in kwargs.items()}
 
 
 @dataclass(frozen=True)

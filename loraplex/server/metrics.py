@@ -33,6 +33,7 @@ _STAT_GAUGES = {
     "kv_blocks_free": ("loraplex_kv_blocks_free", "Free KV-cache blocks."),
     "kv_blocks_total": ("loraplex_kv_blocks_total", "KV-cache blocks."),
     "prefix_cache_blocks": ("loraplex_prefix_cache_blocks", "KV blocks holding reusable (keyed) prefix K/V."),
+    "adapters_pinned": ("loraplex_adapters_pinned", "Adapters pinned to a device slot by an operator."),
 }
 # AdapterCounters field -> (metric name, help); EngineStats.adapter_counters holds them.
 _ADAPTER_COUNTERS = {

@@ -103,6 +103,11 @@ def read_peft_adapter_from_tensors(tensors: Mapping[str, torch.Tensor], config: 
     return _read(source, raw, parsed, WeightFile(dict(tensors), None), layout, model_config, max_lora_rank)
 
 
+def in_memory_source(name: str) -> str:
+    """What an adapter loaded from tensors is called where a folder's path would be (errors, listings)."""
+    return f"<tensors of {name}>"
+
+
 def _config_object(data: Mapping | bytes, what: str) -> dict:
     raw = data if isinstance(data, Mapping) else parse_json(data, what, MAX_CONFIG_BYTES)
     if not isinstance(raw, Mapping):

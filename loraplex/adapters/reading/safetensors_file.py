@@ -13,6 +13,7 @@ buffer (``tensor_views``), never pickled.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -144,3 +145,22 @@ def parse_safetensors_bytes(buf: bytes | bytearray | memoryview,
     length = header_length(bytes(buffer[:HEADER_LENGTH_BYTES]), len(buffer), what)
     header = parse_header(bytes(buffer[HEADER_LENGTH_BYTES : HEADER_LENGTH_BYTES + length]), len(buffer), what)
     return tensor_views(buffer, header.data_start, header.specs), header.metadata
+
+
+def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """``tensors`` (and ``metadata``) as one safetensors file in memory, the inverse of
+    ``parse_safetensors_bytes``: tensors laid out in name order, each its own bytes (views of one buffer may
+    share storage, which the ``safetensors`` library refuses to save)."""
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    parts, offset = [], 0
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        header[name] = {"dtype": names[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        parts.append(data)
+        offset += len(data)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % HEADER_LENGTH_BYTES)  # the data section starts aligned, as the library writes it
+    return b"".join([len(raw).to_bytes(HEADER_LENGTH_BYTES, "little"), raw, *parts])

@@ -34,6 +34,7 @@ STATUS_TEXT = {
     404: "Unknown model or adapter, or no adapter at that path",
     409: "Adapter name already loaded, or its files changed on disk",
     413: "The request body is larger than the server's limit (--max-request-bytes)",
+    415: "The body is not of the media type the route takes (PUT /v1/adapters/{name}: application/octet-stream)",
     507: "The adapter's saved embed_tokens/lm_head rows would pass the saved-rows memory budget",
     503: "The engine is not running (starting, stopped, or its process died), a request-preparation worker "
          "died while preparing this request, the server is shutting down, or its queue is full "

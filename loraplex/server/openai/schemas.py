@@ -144,6 +144,7 @@ class AdapterVersions(BaseModel):
     current: str  # the version id new requests run on (without a split)
     split: dict[str, float] | None  # version id -> share of new requests, when split
     versions: list[AdapterVersion]  # held, oldest first
+    pinned: bool = False  # pinned to a device slot (POST /v1/adapters/{name}/pin)
 
 
 class AdapterVersionList(BaseModel):

@@ -11,6 +11,13 @@
 - ``POST /v1/adapters/{name}/split`` ``{"v7": 0.9, "v8": 0.1}``: new requests of the name are routed among
   those held versions in proportion to the (positive) weights, normalised to shares; one version is a
   promotion. 400 on a malformed body, 404 on a version the name does not hold.
+- ``POST /v1/adapters/{name}/pin`` / ``/unpin``: the name's current version keeps (or no longer keeps) a device
+  slot and its host copy; 409 past ``max_loras - 1`` pinned names. The answer is the name's entry.
+- ``PUT /v1/adapters/{name}`` (``Content-Type: application/octet-stream``): the body is one safetensors file of
+  PEFT tensors whose ``__metadata__["adapter_config"]`` is the ``adapter_config.json`` text. The first PUT of a
+  name loads it, a later one makes and promotes a new version; the answer is the name's ``GET /v1/adapters``
+  entry. The body is bounded by ``--max-request-bytes`` (413), parsed off the event loop with the checked
+  safetensors parser (never unpickled), and validated as a folder is (the same typed errors).
 
 Every change needs runtime adapter management on (``--allow-runtime-adapters``, else 403) and, with API
 keys, an admin key (else 403). A name outside the caller's scope is answered as an unknown one (404, the
@@ -19,6 +26,7 @@ engine's own message), so names do not leak.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import re
@@ -26,7 +34,9 @@ from typing import Any
 
 from fastapi import APIRouter, Body, Request
 
-from loraplex.errors import RequestError, UnknownAdapter
+from loraplex.adapters.reading.safetensors_file import HEADER_LENGTH_BYTES, header_length, parse_header
+from loraplex.engine.wire import TensorBlob
+from loraplex.errors import InvalidAdapter, RequestError, UnknownAdapter
 from loraplex.server.context import ServerContext, context
 from loraplex.server.openai.errors import ServerError
 from loraplex.server.openai.openapi import documented, reset_openapi
@@ -147,4 +157,70 @@ async def split_adapter(name: str, request: Request,
     weights = split_weights(body)
     await ctx.client.split_adapter(name, weights)
     logger.info("adapter %r split %s", name, {f"v{v}": round(w, 4) for v, w in weights.items()})
+    return await entry_of(ctx, name)
+
+
+UPLOAD_MEDIA_TYPE = "application/octet-stream"
+UPLOAD_BODY = {"requestBody": {"required": True, "description": (
+    "one safetensors file of PEFT adapter tensors; __metadata__.adapter_config holds adapter_config.json's text"),
+    "content": {UPLOAD_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}}
+
+
+def parse_upload(body: bytes, name: str) -> tuple[int, str]:
+    """``(tensor count, adapter_config JSON text)`` of a PUT body (one safetensors file), checked here so that a
+    malformed file (``safetensors_file.parse_header``'s checks) or a missing config is a 400 (``InvalidAdapter``)
+    before the engine sees it; the engine parses the same bytes again with the same checks."""
+    what = f"PUT /v1/adapters/{name}: the body"
+    length = header_length(body[:HEADER_LENGTH_BYTES], len(body), what)
+    header = parse_header(body[HEADER_LENGTH_BYTES : HEADER_LENGTH_BYTES + length], len(body), what)
+    config = header.metadata.get("adapter_config")
+    if config is None:
+        raise InvalidAdapter(f'{what} has no __metadata__["adapter_config"] (the adapter_config.json text)')
+    return len(header.specs), config
+
+
+@router.put("/v1/adapters/{name}", response_model=AdapterVersions, openapi_extra=UPLOAD_BODY,
+            responses=documented(AdapterVersions, 400, 403, 413, 415, 503, 507))
+async def put_adapter(name: str, request: Request) -> dict:
+    """Load ``name`` from the body's tensors, or promote a new version of it (module docstring)."""
+    ctx = context(request)
+    key = manager(request)
+    if not key.may_use(name):
+        raise ServerError(403, f"this API key may not manage an adapter named {name!r}", "name")
+    if name in ctx.base_aliases:
+        raise ServerError(400, f"{name!r} is the base model's name", "name")
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != UPLOAD_MEDIA_TYPE:
+        raise ServerError(415, f"the body must be a safetensors file sent as Content-Type: {UPLOAD_MEDIA_TYPE} "
+                          f"(got {media or 'none'!r})", "Content-Type")
+    try:
+        body = await request.body()
+        count, config = await asyncio.to_thread(parse_upload, body, name)
+        info = await ctx.client.load_adapter(name, tensors=TensorBlob(body), config=config, new_version=True)
+    except Exception:
+        ctx.metrics.runtime_loads.labels("error").inc()
+        raise
+    ctx.metrics.runtime_loads.labels("ok").inc()
+    reset_openapi(request.app)
+    logger.info("adapter %r version v%d loaded from %d uploaded tensors", name, info.version_id, count)
+    return await entry_of(ctx, name)
+
+
+@router.post("/v1/adapters/{name}/pin", response_model=AdapterVersions,
+             responses=documented(AdapterVersions, 403, 404, 409, 503))
+async def pin_adapter(name: str, request: Request) -> dict:
+    manager(request, name)
+    ctx = context(request)
+    await ctx.client.pin_adapter(name)
+    logger.info("adapter %r pinned", name)
+    return await entry_of(ctx, name)
+
+
+@router.post("/v1/adapters/{name}/unpin", response_model=AdapterVersions,
+             responses=documented(AdapterVersions, 403, 404, 503))
+async def unpin_adapter(name: str, request: Request) -> dict:
+    manager(request, name)
+    ctx = context(request)
+    await ctx.client.unpin_adapter(name)
+    logger.info("adapter %r unpinned", name)
     return await entry_of(ctx, name)

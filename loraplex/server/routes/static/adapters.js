@@ -34,8 +34,8 @@ function slotRow(slot, now) {
   tr.dataset.slot = slot.slot;
   const empty = slot.adapter === null;
   const name = empty ? "(empty)" : slot.unloaded ? `${slot.adapter} (unloaded; clears when its requests end)`
-    : slot.adapter;
-  const lastUse = empty || slot.last_used === null ? "—" : slot.pins > 0 ? "in use now"
+    : slot.pinned ? `${slot.adapter} (pinned: keeps this slot)` : slot.adapter;
+  const lastUse = empty || slot.last_used === null ? "—" : slot.pins > (slot.pinned ? 1 : 0) ? "in use now"
     : ago(Math.max(0, now - slot.last_used));
   tr.append(cell(String(slot.slot), "slot"), cell(name, "adapter"), cell(empty ? "—" : `v${slot.version}`, "version"),
     cell(empty ? "—" : String(slot.rank), "rank"), cell(String(slot.pins), "pins"), cell(lastUse, "last-use"));
@@ -43,7 +43,7 @@ function slotRow(slot, now) {
 }
 
 function where(adapter) {
-  if (adapter.slot !== null) return `device slot ${adapter.slot}`;
+  if (adapter.slot !== null) return `device slot ${adapter.slot}${adapter.pinned ? " (pinned)" : ""}`;
   return adapter.in_host ? "host memory" : "disk only (re-read on next use)";
 }
 
