@@ -242,6 +242,11 @@ class Scheduler:
             if s.request.status is RequestStatus.RUNNING:
                 self.preempt(s.request)
 
+    def forget_step_keys(self, request: Request) -> None:
+        """The running step computed unusable values for ``request`` (it is about to fail alone): the keys this
+        step entered for its blocks are forgotten, so no request matches their K/V (``BlockManager.forget``)."""
+        self.allocator.forget(request.block_table)
+
     def _stop_reason(self, request: Request, token: int) -> str | None:
         """"stop" for a stop token id or EOS, "length" at ``max_tokens`` or the context length; None to go on.
         Stop *strings* are matched on text, by the frontend (``client/output.py``), which then aborts it."""
