@@ -306,6 +306,12 @@ class EngineConfig:
     # halving the bytes a decode step reads, and the LoRA kernels widen them back and sum in float32.
     # embed_tokens / lm_head adapter parts stay in the model's dtype.
     lora_dtype: str = "float32"
+    # Request bounds (engine/intake.py, RequestBounds), a RequestError (400) naming the param past them: the
+    # choices of one prompt may generate this many tokens together, n x max_tokens (each choice's real maximum:
+    # the server sets max_tokens to the rest of the context when the client gives none); None: 4 x the context.
+    max_request_output_tokens: int | None = None
+    # The most prompt tokens one request may ask prompt logprobs of; None: the context length.
+    max_prompt_logprobs_tokens: int | None = None
 
     QUANTIZATIONS: ClassVar[tuple[str, ...]] = ("int8",)
     LORA_DTYPES: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
@@ -329,6 +335,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.saved_rows_budget_bytes must be >= 0, got {self.saved_rows_budget_bytes}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"EngineConfig.max_waiting_requests must be >= 0 or None, got {self.max_waiting_requests}")
+        for field in ("max_request_output_tokens", "max_prompt_logprobs_tokens"):
+            if getattr(self, field) is not None and getattr(self, field) < 1:
+                raise ValueError(f"EngineConfig.{field} must be >= 1 or None, got {getattr(self, field)}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineConfig.num_threads must be >= 1 or None, got {self.num_threads}")
         if self.max_cpu_loras < self.max_loras:

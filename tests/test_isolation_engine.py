@@ -1,10 +1,12 @@
-"""Issue 30, the engine half: a fault stays in its row.
+"""Issue 30, the engine half: a fault stays in its row; requests do bounded work.
 
 An adapter whose weights pass the load-time bound (``adapters/reading/overflow_bound.py``) can still overflow
 float32 in a step: the bound assumes down_proj's input stays below 2^64, and ``write_overflowing_adapter``
 breaks that assumption. Its requests must fail alone (an error naming the non-finite logits), while every
 other row of the same step is committed and equals HF + PEFT (in the engine) or the request run alone (over
-HTTP, both engine modes)."""
+HTTP, both engine modes). One prompt's choices may generate ``n x max_tokens`` tokens (each choice's real
+maximum) up to ``max_request_output_tokens``, and prompt logprobs cover at most ``max_prompt_logprobs_tokens``
+prompt tokens: past either, a 400 naming the param, and nothing is queued."""
 
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraplex import LLM, SamplingParams
+from loraplex.cli import build_parser, engine_config
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
-from loraplex.errors import EngineStepFailed
+from loraplex.engine.request import NewRequest
+from loraplex.errors import EngineStepFailed, RequestError
 from tests.engine_harness import Progress, add, gather
 from tests.fixtures import write_peft_adapter
 from tests.model_harness import random_prompts
@@ -112,12 +116,12 @@ def _stream(url: str, model: str, prompt: str, max_tokens: int, events: list[dic
     ended.append(time.monotonic())
 
 
-@pytest.fixture(params=["thread", "process"])
+@pytest.fixture(scope="module", params=["thread", "process"])
 def server(request: pytest.FixtureRequest, tiny_llama: Path, tiny_llama_adapters: dict[str, Path], bomb: Path,
-           tmp_path: Path) -> Iterator[Server]:
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     adapters = {**tiny_llama_adapters, "bomb": bomb}
-    with tiny_server(tiny_llama, adapters, ("r8_all", "bomb"), (), tmp_path, mode=request.param,
-                     **CONFIG) as srv:
+    with tiny_server(tiny_llama, adapters, ("r8_all", "bomb"), (), tmp_path_factory.mktemp("root"),
+                     mode=request.param, **CONFIG) as srv:
         yield srv
 
 
@@ -155,3 +159,57 @@ def test_over_http_the_other_streams_keep_running(server: Server, tiny_llama: Pa
         adapter = None if model == "tiny" else model
         assert text == llm.generate([prompt], solo, adapters=[adapter], use_tqdm=False)[0].text, model
     wait_until_idle(server.engine_client)
+
+
+def test_request_bounds_refuse_a_prompts_choices_past_them(tiny_llama: Path,
+                                                           tiny_llama_adapters: dict[str, Path]) -> None:
+    """``n x max_tokens`` per prompt (summed over the choices of one call with that prompt and version; other
+    prompts and other calls do not count) and prompt logprobs per request: at the limit accepted, one past it a
+    ``RequestError`` naming the param, the whole call refused and every hold released."""
+    engine = Engine(EngineConfig(model=str(tiny_llama), max_request_output_tokens=100, max_prompt_logprobs_tokens=8,
+                                 **CONFIG))
+    version = engine.load_adapter("r8_all", tiny_llama_adapters["r8_all"]).version_id
+    p, q = [1, 2, 3], [4, 5, 6]
+
+    def call(prompt_tokens: list[tuple[list[int], int]], prompt_logprobs: int | None = None) -> list[str]:
+        items = [NewRequest(None, ids, SamplingParams(max_tokens=m, prompt_logprobs=prompt_logprobs), version)
+                 for ids, m in prompt_tokens]
+        return engine.add_requests(items)
+
+    assert len(call([(p, 25)] * 4 + [(q, 100)])) == 5  # each prompt at its limit
+    for refused, param in (([(p, 25)] * 3 + [(p, 26)], "n"), ([(p, 101)], "max_tokens")):
+        with pytest.raises(RequestError, match="past the limit of 100 .--max-request-output-tokens") as caught:
+            call(refused + [(q, 1)])
+        assert caught.value.param == param
+    assert len(call([(list(range(8)), 1)], prompt_logprobs=0)) == 1
+    with pytest.raises(RequestError, match="9-token prompt: past the limit of 8") as caught:
+        call([(list(range(9)), 1)], prompt_logprobs=0)
+    assert caught.value.param == "prompt_logprobs"
+    assert engine.adapters.versions.in_flight == {version: 6}, "a refused call holds nothing"
+    default = Engine(EngineConfig(model=str(tiny_llama), **CONFIG))
+    assert default.intake.bounds.max_request_output_tokens == 4 * default.max_model_len
+    assert default.intake.bounds.max_prompt_logprobs_tokens == default.max_model_len
+
+
+def test_request_bound_flags_reach_the_engine_config() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--max-request-output-tokens", "5000", "--max-prompt-logprobs-tokens", "64"])
+    config = engine_config(args, parser)
+    assert (config.max_request_output_tokens, config.max_prompt_logprobs_tokens) == (5000, 64)
+    config = engine_config(parser.parse_args(["serve"]), parser)
+    assert (config.max_request_output_tokens, config.max_prompt_logprobs_tokens) == (None, None)
+
+
+def test_over_http_n_128_without_max_tokens_is_a_400_on_n(server: Server) -> None:
+    """A chat request with ``n=128`` and no ``max_tokens`` asks 128 choices that may each run to the end of the
+    context: a 400 naming ``n`` before any seat is taken; with a small ``max_tokens`` the same ``n`` is served."""
+    body = {"model": "r8_all", "messages": [{"role": "user", "content": "Once upon a time"}], "n": 128,
+            "temperature": 0}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "n" and error["type"] == "invalid_request_error", error
+    assert "--max-request-output-tokens" in error["message"]
+    assert server.stats().num_running == 0
+    served = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "max_tokens": 2}, timeout=60)
+    assert served.status_code == 200 and len(served.json()["choices"]) == 128, served.text[:300]

@@ -23,7 +23,7 @@ from loraplex.adapters.info import AdapterInfo
 from loraplex.adapters.manager import AdapterManager
 from loraplex.adapters.versions import VersionView
 from loraplex.config import EngineConfig
-from loraplex.engine.intake import RequestIntake
+from loraplex.engine.intake import RequestBounds, RequestIntake
 from loraplex.engine.invariants import check_right_kv, check_right_weights, keys_hold_all_kv_inputs
 from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.memory import release_free_memory
@@ -103,7 +103,8 @@ class Engine:
         self._compiling = GrammarWaitlist()  # requests waiting for their grammar, outside the scheduler
         self.waiting_bound = WaitingBound(config, self.scheduler, self._compiling)  # 503 past max_waiting_requests
         self.intake = RequestIntake(self.adapters, self.tokenizer, self.model_config.vocab_size,
-                                    self.max_model_len, self.grammars, config.seed)
+                                    self.max_model_len, self.grammars, config.seed,
+                                    RequestBounds.of(config, self.max_model_len))
         self._fingerprint: str | None = None
         self.step_failures, self.last_step_error = 0, ""  # steps that raised and failed their requests (_fail_step)
         self._fingerprint_lock = threading.Lock()
