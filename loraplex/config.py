@@ -320,7 +320,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.lora_kernels not in LORA_KERNELS:
             raise ValueError(f"EngineConfig.lora_kernels must be one of {LORA_KERNELS}, got {self.lora_kernels!r}")
-        for field in ("max_loras", "max_cpu_loras", "max_lora_rank", "max_num_seqs", "block_size"):
+        for field in ("max_loras", "max_cpu_loras", "max_lora_rank", "max_num_seqs", "block_size",
+                      "max_num_batched_tokens"):
             if getattr(self, field) < 1:
                 raise ValueError(f"EngineConfig.{field} must be >= 1, got {getattr(self, field)}")
         if self.quantization is not None and self.quantization not in self.QUANTIZATIONS:

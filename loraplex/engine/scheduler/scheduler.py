@@ -2,7 +2,10 @@
 
 Policy, once per step:
 1. Running requests go first, oldest first: a decode token each, or the next chunk of an unfinished
-   prefill. If the KV cache cannot grow, the newest running request is preempted (its blocks are
+   prefill. A request still prefilling is younger than every decoding one (a request is admitted only
+   from budget that the older ones' tokens left, so after an unfinished chunk nothing is admitted), so
+   the decodes come out of the budget first and a long prompt never costs a running request its token.
+   If the KV cache cannot grow, the newest running request is preempted (its blocks are
    returned; it keeps its adapter pin and is recomputed later from its prompt and its tokens so far).
 2. Waiting requests are admitted in fair order (``engine/scheduler/fair_share.py``: the tenant with the least
    service first, by virtual token counters, priority within a tenant; with one tenant or
@@ -19,7 +22,9 @@ Policy, once per step:
    the batch stays as full as that allows (all requests of the placed adapters join together).
    Every token a step computes, and every slot write an admission causes, is charged to the
    request's tenant (``fair_share``; also kept under FCFS, for the service-per-tenant metrics).
-Prefill and decode share a step; a prompt longer than the remaining budget is prefilled in chunks.
+Prefill and decode share a step; a prompt longer than the remaining budget is prefilled in chunks
+(chunked prefill: ``max_num_batched_tokens`` bounds a step's tokens, so a step's time, and so the gap
+between two tokens of a running stream, stays bounded whatever prompt arrives).
 Prefix caching (the block manager's index): an admitted request starts with the longest prefix of its
 full blocks that is cached under its adapter version (never its last token, which must be computed to
 sample, nor prompt tokens whose logprobs it asked for and lacks: their logits must be computed), and
