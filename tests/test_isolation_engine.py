@@ -26,6 +26,7 @@ from loraplex.cli import build_parser, engine_config
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
 from loraplex.engine.request import NewRequest
+from loraplex.engine.sampling.sampler import nonfinite_rows
 from loraplex.errors import EngineStepFailed, RequestError
 from tests.engine_harness import Progress, add, gather
 from tests.fixtures import write_peft_adapter
@@ -213,3 +214,19 @@ def test_over_http_n_128_without_max_tokens_is_a_400_on_n(server: Server) -> Non
     assert server.stats().num_running == 0
     served = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "max_tokens": 2}, timeout=60)
     assert served.status_code == 200 and len(served.json()["choices"]) == 128, served.text[:300]
+
+
+def test_nonfinite_rows_flags_nan_and_inf_anywhere_but_not_narrower_vocabularies() -> None:
+    """A NaN or +inf at any column, or a row with nothing above -inf, is flagged; -inf columns alone (a narrower
+    adapter vocabulary's) and huge finite values are not."""
+    logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(0))
+    logits[1, 40000] = float("nan")
+    logits[2, 3] = float("inf")
+    logits[3, 100:] = float("-inf")  # a narrower vocabulary
+    logits[4] = float("-inf")
+    logits[5, 7] = 3e38
+    assert nonfinite_rows(logits).tolist() == [False, True, True, False, True, False]
+    for column in range(0, 49152, 997):  # wherever the NaN sits
+        row = torch.zeros(1, 49152)
+        row[0, column] = float("nan")
+        assert nonfinite_rows(row).tolist() == [True], column
