@@ -99,7 +99,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-output-tokens", type=positive_int, default=None, metavar="N",
                    help="the most tokens the choices of one prompt may generate together, n x max_tokens (each "
                         "choice's real maximum: the rest of the context without max_tokens); past it a 400 on n "
-                        "(default: 4 x the context length)")
+                        "(default: 16 x the context length)")
     p.add_argument("--max-prompt-logprobs-tokens", type=positive_int, default=None, metavar="N",
                    help="the most prompt tokens a request may ask prompt_logprobs of; past it a 400 on "
                         "prompt_logprobs (default: the context length)")

@@ -312,7 +312,7 @@ class EngineConfig:
     lora_dtype: str = "float32"
     # Request bounds (engine/intake.py, RequestBounds), a RequestError (400) naming the param past them: the
     # choices of one prompt may generate this many tokens together, n x max_tokens (each choice's real maximum:
-    # the server sets max_tokens to the rest of the context when the client gives none); None: 4 x the context.
+    # the server sets max_tokens to the rest of the context when the client gives none); None: 16 x the context.
     max_request_output_tokens: int | None = None
     # The most prompt tokens one request may ask prompt logprobs of; None: the context length.
     max_prompt_logprobs_tokens: int | None = None

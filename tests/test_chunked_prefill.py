@@ -76,6 +76,31 @@ def test_victims_get_a_token_every_step_while_a_long_prompt_prefills(long_llama:
     engine.allocator.check_integrity([])
 
 
+def test_a_request_arriving_while_a_long_prompt_prefills_starts_at_once(long_llama: Path,
+                                                                       adapters: dict[str, Path]) -> None:
+    """A 4000-token prompt of an adapter is prefilling when a short base request arrives: while it waits for a
+    seat the long prompt's chunks take half the budget, so the short one gets its first token in its first step
+    and a token in every step after it while the long prompt goes on prefilling (the decodes come first); both
+    greedy outputs equal HF + PEFT's."""
+    engine = Engine(EngineConfig(model=str(long_llama), max_num_batched_tokens=BUDGET, **CONFIG))
+    engine.load_adapter("all", adapters["all"])
+    long, short = random_prompts([LONG], 49152, seed=6)[0], random_prompts([12], 49152, seed=7)[0]
+    add(engine, "long", long, GREEDY, "all")
+    results: dict[str, Progress] = {}
+    for _ in range(3):
+        gather(engine.step(), results)
+    add(engine, "short", short, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    got = []  # per step until the long prompt's first token: did the short request get one?
+    while not results.get("long", Progress()).token_ids:
+        got.append(any(o.request_id == "short" and o.new_token_ids for o in gather(engine.step(), results)))
+    assert got[0] and all(got), f"the short request waited or missed steps: {got}"
+    assert len(got) >= 10, "the long prompt was still prefilling for many of its steps"
+    while engine.has_unfinished_requests():
+        gather(engine.step(), results)
+    assert results["long"].token_ids == with_adapter(long_llama, adapters["all"], [long], 6)[0]
+    assert results["short"].token_ids == with_adapter(long_llama, None, [short], 30)[0]
+
+
 def test_chunked_prefill_equals_unchunked_and_serves_a_cached_prefix(long_llama: Path,
                                                                      adapters: dict[str, Path]) -> None:
     """A 4000-token prompt and one sharing its first 3000 tokens (the second finds them in the prefix cache,

@@ -188,7 +188,7 @@ def test_request_bounds_refuse_a_prompts_choices_past_them(tiny_llama: Path,
     assert caught.value.param == "prompt_logprobs"
     assert engine.adapters.versions.in_flight == {version: 6}, "a refused call holds nothing"
     default = Engine(EngineConfig(model=str(tiny_llama), **CONFIG))
-    assert default.intake.bounds.max_request_output_tokens == 4 * default.max_model_len
+    assert default.intake.bounds.max_request_output_tokens == 16 * default.max_model_len
     assert default.intake.bounds.max_prompt_logprobs_tokens == default.max_model_len
 
 

@@ -37,13 +37,13 @@ from loraplex.errors import RequestError
 class RequestBounds:
     """The work one call may ask for, resolved from ``EngineConfig`` (None there: the defaults below)."""
 
-    max_request_output_tokens: int  # n x max_tokens of one prompt's choices; default 4 x max_model_len
+    max_request_output_tokens: int  # n x max_tokens of one prompt's choices; default 16 x max_model_len
     max_prompt_logprobs_tokens: int  # prompt tokens one request may ask logprobs of; default max_model_len
 
     @classmethod
     def of(cls, config: EngineConfig, max_model_len: int) -> RequestBounds:
         output, logprobs = config.max_request_output_tokens, config.max_prompt_logprobs_tokens
-        return cls(4 * max_model_len if output is None else output, max_model_len if logprobs is None else logprobs)
+        return cls(16 * max_model_len if output is None else output, max_model_len if logprobs is None else logprobs)
 
     def check(self, requests: Sequence[Request]) -> None:
         """``RequestError`` ("n" / "max_tokens", "prompt_logprobs") naming the bound ``requests`` go past."""

@@ -1,10 +1,10 @@
 """Continuous batching with adapter-aware admission.
 
 Policy, once per step:
-1. Running requests go first, oldest first: a decode token each, or the next chunk of an unfinished
-   prefill. A request still prefilling is younger than every decoding one (a request is admitted only
-   from budget that the older ones' tokens left, so after an unfinished chunk nothing is admitted), so
-   the decodes come out of the budget first and a long prompt never costs a running request its token.
+1. Running requests go first: a decode token each (oldest first), then the next chunk of each unfinished
+   prefill (oldest first) from the budget the decodes leave, so a long prompt never costs a running
+   request its token. While requests wait for a free seat, one chunk takes at most half the budget, so
+   the other half admits them: a new request does not wait for an older prompt's last chunk.
    If the KV cache cannot grow, the newest running request is preempted (its blocks are
    returned; it keeps its adapter pin and is recomputed later from its prompt and its tokens so far).
 2. Waiting requests are admitted in fair order (``engine/scheduler/fair_share.py``: the tenant with the least
@@ -102,10 +102,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preemptions_before = self.num_preemptions
-        for request in list(self.running):
+        chunk_cap = self._chunk_cap()
+        for request in self._running_order():
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = min(request.num_tokens - request.num_computed_tokens, budget, chunk_cap)
             if n <= 0:
                 continue
             if not self._grow(request, n, scheduled):
@@ -117,6 +118,19 @@ class Scheduler:
         if self.num_preemptions == preemptions_before:  # admitting now would only thrash the cache
             scheduled += self._admit(budget)
         return scheduled
+
+    def _running_order(self) -> list[Request]:
+        """The running requests, decoding ones first (one token each), then those still prefilling, each in
+        admission order: a prompt's chunks take only the budget the decodes leave, whenever it was admitted."""
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        return decoding + [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]
+
+    def _chunk_cap(self) -> int:
+        """The most tokens one running request computes this step: half the budget while requests wait for a
+        free seat (so one is admitted every step, not after an older prompt's last chunk), else the budget."""
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return max(1, self.config.max_num_batched_tokens // 2)
+        return self.config.max_num_batched_tokens
 
     def _admit(self, budget: int) -> list[ScheduledRequest]:
         admitted: list[ScheduledRequest] = []
