@@ -93,6 +93,16 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU threads for the kernels (default: torch's, one per core; fewer on a busy host)")
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=d.max_num_batched_tokens, metavar="N",
+                   help="tokens one engine step computes at most: running streams decode while a longer prompt "
+                        "is prefilled in chunks of what is left (%(default)s; docs/server.md: Chunked prefill)")
+    p.add_argument("--max-request-output-tokens", type=positive_int, default=None, metavar="N",
+                   help="the most tokens the choices of one prompt may generate together, n x max_tokens (each "
+                        "choice's real maximum: the rest of the context without max_tokens); past it a 400 on n "
+                        "(default: 16 x the context length)")
+    p.add_argument("--max-prompt-logprobs-tokens", type=positive_int, default=None, metavar="N",
+                   help="the most prompt tokens a request may ask prompt_logprobs of; past it a 400 on "
+                        "prompt_logprobs (default: the context length)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,7 +173,10 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                             num_threads=args.threads, quantization=args.quantization,
                             saved_rows_budget_bytes=args.saved_rows_budget_mib << 20,
                             enable_prefix_caching=not args.no_prefix_caching,
-                            scheduling_policy=args.scheduling_policy, lora_dtype=args.lora_dtype)
+                            scheduling_policy=args.scheduling_policy, lora_dtype=args.lora_dtype,
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            max_request_output_tokens=args.max_request_output_tokens,
+                            max_prompt_logprobs_tokens=args.max_prompt_logprobs_tokens)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

@@ -274,7 +274,11 @@ class EngineConfig:
     # Requests queued and not running (beyond the seats free under max_num_seqs); past it a new request
     # is refused (QueueFull: the server's 503 with Retry-After). None: unbounded.
     max_waiting_requests: int | None = None
-    max_num_batched_tokens: int = 2048
+    # Tokens one step computes at most (chunked prefill: running streams decode first, a longer prompt is
+    # prefilled in chunks of what is left). 512: a 4000-token prompt's TTFT is still an unchunked prefill's
+    # while the streams' largest gap drops 5x, and a wave of 32 new prompts is admitted in 2 steps
+    # (docs/server.md: Chunked prefill).
+    max_num_batched_tokens: int = 512
     block_size: int = 16
     kv_cache_blocks: int | None = None  # None: derive from kv_cache_bytes
     kv_cache_bytes: int = 512 * 1024**2
@@ -306,6 +310,12 @@ class EngineConfig:
     # halving the bytes a decode step reads, and the LoRA kernels widen them back and sum in float32.
     # embed_tokens / lm_head adapter parts stay in the model's dtype.
     lora_dtype: str = "float32"
+    # Request bounds (engine/intake.py, RequestBounds), a RequestError (400) naming the param past them: the
+    # choices of one prompt may generate this many tokens together, n x max_tokens (each choice's real maximum:
+    # the server sets max_tokens to the rest of the context when the client gives none); None: 16 x the context.
+    max_request_output_tokens: int | None = None
+    # The most prompt tokens one request may ask prompt logprobs of; None: the context length.
+    max_prompt_logprobs_tokens: int | None = None
 
     QUANTIZATIONS: ClassVar[tuple[str, ...]] = ("int8",)
     LORA_DTYPES: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
@@ -314,7 +324,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.lora_kernels not in LORA_KERNELS:
             raise ValueError(f"EngineConfig.lora_kernels must be one of {LORA_KERNELS}, got {self.lora_kernels!r}")
-        for field in ("max_loras", "max_cpu_loras", "max_lora_rank", "max_num_seqs", "block_size"):
+        for field in ("max_loras", "max_cpu_loras", "max_lora_rank", "max_num_seqs", "block_size",
+                      "max_num_batched_tokens"):
             if getattr(self, field) < 1:
                 raise ValueError(f"EngineConfig.{field} must be >= 1, got {getattr(self, field)}")
         if self.quantization is not None and self.quantization not in self.QUANTIZATIONS:
@@ -329,6 +340,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.saved_rows_budget_bytes must be >= 0, got {self.saved_rows_budget_bytes}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"EngineConfig.max_waiting_requests must be >= 0 or None, got {self.max_waiting_requests}")
+        for field in ("max_request_output_tokens", "max_prompt_logprobs_tokens"):
+            if getattr(self, field) is not None and getattr(self, field) < 1:
+                raise ValueError(f"EngineConfig.{field} must be >= 1 or None, got {getattr(self, field)}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineConfig.num_threads must be >= 1 or None, got {self.num_threads}")
         if self.max_cpu_loras < self.max_loras:

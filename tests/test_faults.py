@@ -104,7 +104,7 @@ def test_a_failing_step_fails_only_its_requests(server: Server, tiny_llama: Path
 def test_a_nan_slot_write_fails_only_the_requests_reading_it(server: Server, tiny_llama: Path,
                                                               tiny_llama_adapters: dict[str, Path]) -> None:
     """A slot write that leaves NaN in ``r4_attn``'s slot: its request fails with an error response naming
-    NaN logits; a request of another adapter, before and after, is served exactly."""
+    non-finite logits; a request of another adapter, before and after, is served exactly."""
     model = server.engine.model
     set_slot = model.set_slot
 
@@ -122,7 +122,7 @@ def test_a_nan_slot_write_fails_only_the_requests_reading_it(server: Server, tin
     assert client.completions.create(model="r8_all", **kw).choices[0].text == expected
     r = httpx.post(f"{server.url}/v1/completions", json={"model": "r4_attn", "prompt": PROMPTS[1], "max_tokens": 6,
                                                          "temperature": 0}, timeout=60)
-    assert r.status_code == 500 and "NaN logits" in r.json()["error"]["message"], r.text
+    assert r.status_code == 500 and "non-finite logits" in r.json()["error"]["message"], r.text
     assert client.completions.create(model="r8_all", **kw).choices[0].text == expected
     assert httpx.get(f"{server.url}/health").json()["step_failures"] == 1
     check_returned(server)

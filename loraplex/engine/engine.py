@@ -23,14 +23,14 @@ from loraplex.adapters.info import AdapterInfo
 from loraplex.adapters.manager import AdapterManager
 from loraplex.adapters.versions import VersionView
 from loraplex.config import EngineConfig
-from loraplex.engine.intake import RequestIntake
+from loraplex.engine.intake import RequestBounds, RequestIntake
 from loraplex.engine.invariants import check_right_kv, check_right_weights, keys_hold_all_kv_inputs
 from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.memory import release_free_memory
 from loraplex.engine.request import NO_TAGS, EngineOutput, NewRequest, Request, RequestTags, SamplingParams
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.engine.sampling.logprobs import add_prompt_logprobs, needs_prompt_rows
-from loraplex.engine.sampling.sampler import check_drawn, sample_rows
+from loraplex.engine.sampling.sampler import nonfinite_rows, sample_rows
 from loraplex.engine.sampling.structured.compiler import GrammarCompilers
 from loraplex.engine.sampling.structured.waiting import GrammarWaitlist
 from loraplex.engine.scheduler.admission import WaitingBound
@@ -103,7 +103,8 @@ class Engine:
         self._compiling = GrammarWaitlist()  # requests waiting for their grammar, outside the scheduler
         self.waiting_bound = WaitingBound(config, self.scheduler, self._compiling)  # 503 past max_waiting_requests
         self.intake = RequestIntake(self.adapters, self.tokenizer, self.model_config.vocab_size,
-                                    self.max_model_len, self.grammars, config.seed)
+                                    self.max_model_len, self.grammars, config.seed,
+                                    RequestBounds.of(config, self.max_model_len))
         self._fingerprint: str | None = None
         self.step_failures, self.last_step_error = 0, ""  # steps that raised and failed their requests (_fail_step)
         self._fingerprint_lock = threading.Lock()
@@ -227,35 +228,68 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
-        entries = [StepEntry(tuple(s.request.all_token_ids[s.start:s.start + s.num_tokens]), s.start,
-                             tuple(s.request.block_table), needs_prompt_rows(s.request, s.start, s.num_tokens))
-                   for s in batch]
-        mapping = BatchMapping.from_sequences([(s.request.version_id, s.num_tokens) for s in batch])
         try:
-            lora = self.adapters.lora_batch(mapping)
-            if self.config.debug_checks:
-                check_right_weights(self.adapters, mapping, lora)
-                check_right_kv(self.allocator, self.scheduler.running, [s.request for s in batch])
-            with torch.inference_mode():
-                logits = self.runner.execute(entries, lora)  # [R, vocab]
-                ends = list(itertools.accumulate(e.num_logits for e in entries))  # logits row after each entry's
-                for i in (i for i, e in enumerate(entries) if e.all_logits):
-                    add_prompt_logprobs(batch[i].request, batch[i].start,
-                                        logits[ends[i] - entries[i].num_logits : ends[i]])
-                rows = [ends[i] - 1 for i, s in enumerate(batch) if s.draws]
-                tokens = sample_rows(logits, rows, [s.request for s in batch if s.draws],
-                                     self.model_config.eos_token_ids)
-                check_drawn(logits, rows, tokens)
+            kept, tokens = self._run(batch, outputs)
         except BaseException as exc:
             self.scheduler.undo(batch)  # nothing of this step may be reused or counted
             if isinstance(exc, AssertionError) or not isinstance(exc, Exception):
                 raise  # a debug check caught an engine bug, or the thread is being stopped
             return outputs + self._fail_step(batch, exc)
-        for request in self.scheduler.update(batch, tokens):
+        for request in self.scheduler.update(kept, tokens):
             if request.finished:
                 self._requests.pop(request.request_id, None)
             outputs.append(request.output())
         self._retire_dropped()
+        return outputs
+
+    def _run(self, batch: list[ScheduledRequest], outputs: list[EngineOutput]) -> tuple[list[ScheduledRequest],
+                                                                                         list[int]]:
+        """Run ``batch``'s forward pass and draw its tokens. A row whose logits are not finite fails its request
+        alone (appended to ``outputs``); returns the rest of the batch and the tokens they drew, in order."""
+        entries = [StepEntry(tuple(s.request.all_token_ids[s.start:s.start + s.num_tokens]), s.start,
+                             tuple(s.request.block_table), needs_prompt_rows(s.request, s.start, s.num_tokens))
+                   for s in batch]
+        mapping = BatchMapping.from_sequences([(s.request.version_id, s.num_tokens) for s in batch])
+        lora = self.adapters.lora_batch(mapping)
+        if self.config.debug_checks:
+            check_right_weights(self.adapters, mapping, lora)
+            check_right_kv(self.allocator, self.scheduler.running, [s.request for s in batch])
+        with torch.inference_mode():
+            logits = self.runner.execute(entries, lora)  # [R, vocab]
+            ends = list(itertools.accumulate(e.num_logits for e in entries))  # logits row after each entry's
+            bad = self._nonfinite_entries(logits, entries, ends)
+            outputs += self._fail_rows(batch, bad)
+            kept = [i for i in range(len(batch)) if i not in bad]
+            for i in (i for i in kept if entries[i].all_logits):
+                add_prompt_logprobs(batch[i].request, batch[i].start, logits[ends[i] - entries[i].num_logits : ends[i]])
+            drawing = [i for i in kept if batch[i].draws]
+            tokens = sample_rows(logits, [ends[i] - 1 for i in drawing], [batch[i].request for i in drawing],
+                                 self.model_config.eos_token_ids)
+        return [batch[i] for i in kept], tokens
+
+    @staticmethod
+    def _nonfinite_entries(logits: torch.Tensor, entries: list[StepEntry], ends: list[int]) -> set[int]:
+        """The entries with a NaN or +inf in any of their logits rows (``nonfinite_rows``; one check per step)."""
+        rows = nonfinite_rows(logits)  # [R]
+        if not bool(rows.any()):
+            return set()
+        return {i for i, e in enumerate(entries) if bool(rows[ends[i] - e.num_logits : ends[i]].any())}
+
+    def _fail_rows(self, batch: list[ScheduledRequest], bad: set[int]) -> list[EngineOutput]:
+        """The rows ``bad`` of ``batch`` computed NaN or inf: their requests fail alone (``EngineStepFailed``; the
+        keys the step entered for their blocks are forgotten, their blocks and pins returned); the step's other
+        rows are committed. Counted in ``step_failures``."""
+        outputs = []
+        for i in sorted(bad):
+            request = batch[i].request
+            whose = "the base model's" if request.version_id is None else f"adapter version {request.version_id}'s"
+            self.last_step_error = (f"non-finite logits (NaN or inf) in this request's row: {whose} values "
+                                    "overflowed float32 on this input, or its weights are broken")
+            logger.error("engine step: request %s failed alone: %s", request.request_id, self.last_step_error)
+            self.scheduler.forget_step_keys(request)
+            outputs.append(self._finish(request, "error", EngineStepFailed(
+                f"{self.last_step_error}; the step's other requests were served")))
+        self.step_failures += bool(bad)
         return outputs
 
     def _drain_inbox(self) -> list[EngineOutput]:

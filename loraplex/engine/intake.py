@@ -5,29 +5,74 @@ accepted means served, so the version outlives an unload until the request ends;
 longer held is refused), then validate the sampling parameters and the prompt's token ids against that
 version's vocabulary, check the context length, and attach a structured-output grammar built for that
 version's tokenizer. A request that fails any check releases its hold before the error is raised;
-``make_all`` is all or nothing. The engine core never sees text: tokenizing and detokenizing are the
-frontend's (``loraplex/client/``).
+``make_all`` is all or nothing.
+
+Per call (``make_all``: the requests of one ``add_requests``, i.e. one API request), the work it may ask for
+is bounded (``RequestBounds``): the choices of one prompt (the requests with the same prompt token ids and
+version) may generate ``max_request_output_tokens`` together, ``n x max_tokens`` with each choice's real
+maximum (the server sets ``max_tokens`` to the rest of the context when the client gives none); and a
+request may ask prompt logprobs of at most ``max_prompt_logprobs_tokens`` prompt tokens.
+
+The engine core never sees text: tokenizing and detokenizing are the frontend's (``loraplex/client/``).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from loraplex.adapters.manager import AdapterManager
+from loraplex.config import EngineConfig
 from loraplex.engine.request import NewRequest, Request, RequestTags, check_context_length
 from loraplex.engine.sampling.structured.compiler import GrammarCompilers
 from loraplex.errors import RequestError
 
 
+@dataclass(frozen=True)
+class RequestBounds:
+    """The work one call may ask for, resolved from ``EngineConfig`` (None there: the defaults below)."""
+
+    max_request_output_tokens: int  # n x max_tokens of one prompt's choices; default 16 x max_model_len
+    max_prompt_logprobs_tokens: int  # prompt tokens one request may ask logprobs of; default max_model_len
+
+    @classmethod
+    def of(cls, config: EngineConfig, max_model_len: int) -> RequestBounds:
+        output, logprobs = config.max_request_output_tokens, config.max_prompt_logprobs_tokens
+        return cls(16 * max_model_len if output is None else output, max_model_len if logprobs is None else logprobs)
+
+    def check(self, requests: Sequence[Request]) -> None:
+        """``RequestError`` ("n" / "max_tokens", "prompt_logprobs") naming the bound ``requests`` go past."""
+        per_prompt: Counter[tuple[int | None, tuple[int, ...]]] = Counter()
+        choices: Counter[tuple[int | None, tuple[int, ...]]] = Counter()
+        for request in requests:
+            prompt = (request.version_id, tuple(request.prompt_token_ids))
+            per_prompt[prompt] += request.params.max_tokens
+            choices[prompt] += 1
+            if request.params.prompt_logprobs is not None and (
+                    len(request.prompt_token_ids) > self.max_prompt_logprobs_tokens):
+                raise RequestError(f"prompt_logprobs of a {len(request.prompt_token_ids)}-token prompt: past the "
+                                   f"limit of {self.max_prompt_logprobs_tokens} prompt tokens "
+                                   "(--max-prompt-logprobs-tokens)", "prompt_logprobs")
+        for prompt, total in per_prompt.items():
+            if total > self.max_request_output_tokens:
+                n = choices[prompt]
+                raise RequestError(f"{n} choice(s) of one prompt may generate {total} tokens together (n x max_tokens; "
+                                   f"without max_tokens a choice may run to the end of the context): past the limit "
+                                   f"of {self.max_request_output_tokens} (--max-request-output-tokens); ask fewer "
+                                   "choices or set max_tokens",
+                                   "n" if n > 1 else "max_tokens")
+
+
 class RequestIntake:
     def __init__(self, adapters: AdapterManager, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int,
-                 max_model_len: int, grammars: GrammarCompilers, seed: int) -> None:
+                 max_model_len: int, grammars: GrammarCompilers, seed: int, bounds: RequestBounds) -> None:
         self.adapters, self.tokenizer, self.vocab_size = adapters, tokenizer, vocab_size
-        self.max_model_len, self.grammars = max_model_len, grammars
+        self.max_model_len, self.grammars, self.bounds = max_model_len, grammars, bounds
         self._generator = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
 
@@ -45,6 +90,7 @@ class RequestIntake:
         try:
             for item in items:
                 requests.append(self.make(item, tags))
+            self.bounds.check(requests)
         except BaseException:
             for request in requests:
                 self.release(request)

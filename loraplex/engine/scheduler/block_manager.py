@@ -46,8 +46,9 @@ class BlockManager:
     (changing nothing) a block with no reference left to drop. ``cache`` keys blocks whose K/V the
     running step writes; the keys are *pending* (visible to ``match`` in the same step, whose forward
     pass writes every K/V before any is read) until ``commit``; ``rollback`` forgets the pending keys
-    of a step that failed. Keys hold the adapter version, so a version's blocks never match another
-    version; ``retire(version)`` (the version was dropped: no sequence of it is left) frees its cached blocks.
+    of a step that failed, ``forget`` those of some blocks (a row whose values were not finite). Keys
+    hold the adapter version, so a version's blocks never match another version; ``retire(version)``
+    (the version was dropped: no sequence of it is left) frees its cached blocks.
     With ``enable_caching=False`` nothing is keyed, matched or kept after its last reference.
     """
 
@@ -158,12 +159,19 @@ class BlockManager:
 
     def rollback(self) -> None:
         """The step failed before its K/V were all written: forget the keys it entered."""
-        for b in self._pending:
+        self.forget(list(self._pending))
+
+    def forget(self, blocks: Iterable[int]) -> None:
+        """Forget the pending keys of ``blocks`` (the others are left as they are): the running step wrote
+        unusable K/V there (a row whose values were not finite), so nothing may match them."""
+        for b in blocks:
+            if b not in self._pending:
+                continue
+            del self._pending[b]
             self._unkey(b)
             if self._refs[b] == 0:
                 del self._cached[b]
                 self._free.append(b)
-        self._pending.clear()
 
     def retire(self, version_id: int) -> None:
         """``version_id`` was dropped (unloaded or retired, and no sequence of it is left): its cached blocks are

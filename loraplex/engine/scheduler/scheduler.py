@@ -1,8 +1,11 @@
 """Continuous batching with adapter-aware admission.
 
 Policy, once per step:
-1. Running requests go first, oldest first: a decode token each, or the next chunk of an unfinished
-   prefill. If the KV cache cannot grow, the newest running request is preempted (its blocks are
+1. Running requests go first: a decode token each (oldest first), then the next chunk of each unfinished
+   prefill (oldest first) from the budget the decodes leave, so a long prompt never costs a running
+   request its token. While requests wait for a free seat, one chunk takes at most half the budget, so
+   the other half admits them: a new request does not wait for an older prompt's last chunk.
+   If the KV cache cannot grow, the newest running request is preempted (its blocks are
    returned; it keeps its adapter pin and is recomputed later from its prompt and its tokens so far).
 2. Waiting requests are admitted in fair order (``engine/scheduler/fair_share.py``: the tenant with the least
    service first, by virtual token counters, priority within a tenant; with one tenant or
@@ -19,7 +22,9 @@ Policy, once per step:
    the batch stays as full as that allows (all requests of the placed adapters join together).
    Every token a step computes, and every slot write an admission causes, is charged to the
    request's tenant (``fair_share``; also kept under FCFS, for the service-per-tenant metrics).
-Prefill and decode share a step; a prompt longer than the remaining budget is prefilled in chunks.
+Prefill and decode share a step; a prompt longer than the remaining budget is prefilled in chunks
+(chunked prefill: ``max_num_batched_tokens`` bounds a step's tokens, so a step's time, and so the gap
+between two tokens of a running stream, stays bounded whatever prompt arrives).
 Prefix caching (the block manager's index): an admitted request starts with the longest prefix of its
 full blocks that is cached under its adapter version (never its last token, which must be computed to
 sample, nor prompt tokens whose logprobs it asked for and lacks: their logits must be computed), and
@@ -97,10 +102,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preemptions_before = self.num_preemptions
-        for request in list(self.running):
+        chunk_cap = self._chunk_cap()
+        for request in self._running_order():
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = min(request.num_tokens - request.num_computed_tokens, budget, chunk_cap)
             if n <= 0:
                 continue
             if not self._grow(request, n, scheduled):
@@ -112,6 +118,19 @@ class Scheduler:
         if self.num_preemptions == preemptions_before:  # admitting now would only thrash the cache
             scheduled += self._admit(budget)
         return scheduled
+
+    def _running_order(self) -> list[Request]:
+        """The running requests, decoding ones first (one token each), then those still prefilling, each in
+        admission order: a prompt's chunks take only the budget the decodes leave, whenever it was admitted."""
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        return decoding + [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]
+
+    def _chunk_cap(self) -> int:
+        """The most tokens one running request computes this step: half the budget while requests wait for a
+        free seat (so one is admitted every step, not after an older prompt's last chunk), else the budget."""
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return max(1, self.config.max_num_batched_tokens // 2)
+        return self.config.max_num_batched_tokens
 
     def _admit(self, budget: int) -> list[ScheduledRequest]:
         admitted: list[ScheduledRequest] = []
@@ -241,6 +260,11 @@ class Scheduler:
         for s in scheduled:
             if s.request.status is RequestStatus.RUNNING:
                 self.preempt(s.request)
+
+    def forget_step_keys(self, request: Request) -> None:
+        """The running step computed unusable values for ``request`` (it is about to fail alone): the keys this
+        step entered for its blocks are forgotten, so no request matches their K/V (``BlockManager.forget``)."""
+        self.allocator.forget(request.block_table)
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         """"stop" for a stop token id or EOS, "length" at ``max_tokens`` or the context length; None to go on.
