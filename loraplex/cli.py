@@ -20,10 +20,17 @@ logger = logging.getLogger("loraplex.cli")
 
 
 def adapter_spec(value: str) -> tuple[str, str]:
-    """``NAME=PATH`` -> (name, path); anything else is an argparse error."""
+    """``NAME=PATH`` -> (name, path); anything else, or a name outside the adapter name pattern
+    (``adapters/names.py``), is an argparse error."""
+    from loraplex.adapters.names import check_adapter_name
+
     name, sep, path = value.partition("=")
     if not sep or not name.strip() or not path.strip():
         raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    try:
+        check_adapter_name(name.strip())
+    except LoraplexError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return name.strip(), path.strip()
 
 

@@ -12,6 +12,10 @@
   those held versions in proportion to the (positive) weights, normalised to shares; one version is a
   promotion. 400 on a malformed body, 404 on a version the name does not hold.
 
+Every name (``lora_name``, the ``{name}`` of a path) is checked first against the one pattern
+(``adapters/names.py``: 400 ``InvalidAdapterName`` naming the field). A load reads only files inside the
+``--adapter-root`` folders (every file, after symlinks: the engine checks each one it opens).
+
 Every change needs runtime adapter management on (``--allow-runtime-adapters``, else 403) and, with API
 keys, an admin key (else 403). A name outside the caller's scope is answered as an unknown one (404, the
 engine's own message), so names do not leak.
@@ -26,6 +30,7 @@ from typing import Any
 
 from fastapi import APIRouter, Body, Request
 
+from loraplex.adapters.names import check_adapter_name
 from loraplex.errors import RequestError, UnknownAdapter
 from loraplex.server.context import ServerContext, context
 from loraplex.server.openai.errors import ServerError
@@ -93,6 +98,7 @@ async def entry_of(ctx: ServerContext, name: str) -> dict:
 @router.post("/v1/load_lora_adapter", response_model=AdapterLoaded,
              responses=documented(AdapterLoaded, 400, 403, 404, 409, 413, 503, 507))
 async def load_lora_adapter(body: LoadAdapterRequest, request: Request) -> dict:
+    check_adapter_name(body.lora_name, "lora_name")
     ctx = context(request)
     path = ctx.policy.check(body.lora_path)
     key = manager(request)
@@ -101,7 +107,8 @@ async def load_lora_adapter(body: LoadAdapterRequest, request: Request) -> dict:
     if body.lora_name in ctx.base_aliases:
         raise ServerError(400, f"lora_name {body.lora_name!r} is the base model's name", "lora_name")
     try:
-        info = await ctx.client.load_adapter(body.lora_name, str(path), new_version=body.version == "new")
+        info = await ctx.client.load_adapter(body.lora_name, str(path), new_version=body.version == "new",
+                                             roots=ctx.policy.load_roots())
     except Exception:
         ctx.metrics.runtime_loads.labels("error").inc()
         raise
@@ -114,6 +121,7 @@ async def load_lora_adapter(body: LoadAdapterRequest, request: Request) -> dict:
 @router.post("/v1/unload_lora_adapter", response_model=AdapterUnloaded,
              responses=documented(AdapterUnloaded, 400, 403, 404, 413, 503))
 async def unload_lora_adapter(body: UnloadAdapterRequest, request: Request) -> dict:
+    check_adapter_name(body.lora_name, "lora_name")
     manager(request, body.lora_name)
     await context(request).client.unload_adapter(body.lora_name)
     reset_openapi(request.app)
@@ -131,6 +139,7 @@ async def list_adapter_versions(request: Request) -> dict:
 @router.post("/v1/adapters/{name}/rollback", response_model=AdapterVersions,
              responses=documented(AdapterVersions, 403, 404, 409, 503))
 async def rollback_adapter(name: str, request: Request) -> dict:
+    check_adapter_name(name, "name")
     manager(request, name)
     ctx = context(request)
     info = await ctx.client.rollback_adapter(name)
@@ -142,6 +151,7 @@ async def rollback_adapter(name: str, request: Request) -> dict:
              responses=documented(AdapterVersions, 400, 403, 404, 413, 503))
 async def split_adapter(name: str, request: Request,
                         body: Any = Body(..., json_schema_extra=SPLIT_SCHEMA)) -> dict:  # noqa: B008
+    check_adapter_name(name, "name")
     manager(request, name)
     ctx = context(request)
     weights = split_weights(body)

@@ -85,3 +85,8 @@ class AdapterPathPolicy:
                 f"{', '.join(str(r) for r in self.roots)}", "lora_path",
             )
         return resolved
+
+    def load_roots(self) -> list[str] | None:
+        """The roots every file of a runtime load must resolve inside (the engine checks each file it opens:
+        ``ForbiddenAdapterPath``, 403); None with no roots."""
+        return [str(root) for root in self.roots] or None
