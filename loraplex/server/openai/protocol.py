@@ -174,11 +174,21 @@ class TextPart(BaseModel):
     text: str
 
 
+def _text_parts_only(content: Any) -> Any:
+    """A content part that is not text (``image_url``, ``input_audio``, ``file``...) is refused by name."""
+    if isinstance(content, list):
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content part {i} has type {kind!r}: only text content parts are supported")
+    return content
+
+
 class ChatMessage(_Body):
     unimplemented: ClassVar = MESSAGE_UNIMPLEMENTED
     where: ClassVar[str] = "messages"
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
+    content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts_only)] = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[MessageToolCall] | None = None

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 
 from loraplex.server.context import context
 from loraplex.server.metrics import CONTENT_TYPE
+from loraplex.server.openai.errors import RETRY_AFTER_503_S
 from loraplex.server.openai.openapi import documented
 from loraplex.server.openai.schemas import Health
 
@@ -20,7 +21,8 @@ router = APIRouter()
 async def health(request: Request) -> Response:
     state = context(request).client.health()
     if not state.ok:
-        return JSONResponse({"status": state.state, "detail": state.detail}, status_code=503)
+        return JSONResponse({"status": state.state, "detail": state.detail}, status_code=503,
+                            headers={"Retry-After": str(RETRY_AFTER_503_S)})
     faults = {"step_failures": state.step_failures, "last_step_error": state.last_step_error}
     return JSONResponse({"status": "ok", **(faults if state.step_failures else {})})
 
