@@ -102,6 +102,27 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
+def _connection_args(serve: argparse.ArgumentParser) -> None:
+    """Connection limits (``server/connections.py``) and the health check's stall timeout."""
+    from loraplex.server.connections import ConnectionLimits
+    from loraplex.server.routes.ops import DEFAULT_STALL_TIMEOUT_S
+
+    d = ConnectionLimits()
+    serve.add_argument("--header-timeout", type=seconds, default=d.header_timeout, metavar="SECONDS",
+                       help="close a connection whose request header is not complete this long after it opened "
+                            "or after its previous response (slowloris; default: %(default)g)")
+    serve.add_argument("--timeout-keep-alive", type=seconds, default=d.timeout_keep_alive, metavar="SECONDS",
+                       help="close an idle kept-alive connection after this long (uvicorn's; default: %(default)g)")
+    serve.add_argument("--h11-max-incomplete-event-size", type=positive_int, default=d.h11_max_incomplete_event_size,
+                       metavar="BYTES", help="most bytes of an incomplete request header (uvicorn's; default: "
+                                             "%(default)d)")
+    serve.add_argument("--limit-concurrency", type=positive_int, default=None, metavar="N",
+                       help="most open connections and tasks; more get 503 (uvicorn's; default: no limit)")
+    serve.add_argument("--stall-timeout", type=seconds, default=DEFAULT_STALL_TIMEOUT_S, metavar="SECONDS",
+                       help="/health answers 503 'stalled' when requests are open and no engine step finished "
+                            "for this long (default: %(default)g)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from loraplex.server.draining import DEFAULT_SHUTDOWN_TIMEOUT_S
     from loraplex.server.limits import BYTES_PER_CONTEXT_TOKEN
@@ -142,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="processes that parse, template and tokenize requests (0: threads of the API process)")
     serve.add_argument("--in-process-engine", action="store_true",
                        help="run the step loop in a thread of the API process instead of its own process")
+    _connection_args(serve)
     gen = sub.add_parser("generate", help="print completions of PROMPT(s)")
     _engine_args(gen)
     gen.add_argument("--use", default=None, metavar="NAME", help="the adapter to generate with (default: base)")
@@ -191,6 +213,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     import uvicorn
 
     from loraplex.server.app import create_app
+    from loraplex.server.connections import ConnectionLimits
     from loraplex.server.draining import DrainingServer
     from loraplex.server.tenancy.keys import KeyTable
 
@@ -218,7 +241,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                          allow_runtime_adapters=args.allow_runtime_adapters, adapter_roots=args.adapter_root,
                          api_key=args.api_key, api_keys=keys, load_on_demand=args.load_on_demand,
                          max_request_bytes=args.max_request_bytes,
-                         prepare_processes=args.prepare_workers, request_timeout=args.request_timeout or None)
+                         prepare_processes=args.prepare_workers, request_timeout=args.request_timeout or None,
+                         stall_timeout=args.stall_timeout)
         stats, adapters = asyncio.run(_describe(client))
         info = client.info
         logger.info("model %s (%s) dtype %s on %s; engine %s (pid %d)", info.model_name, info.model_path, info.dtype,
@@ -237,7 +261,10 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         # serving, SIGTERM drains (server/draining.py) and serve() returns.
         signal.signal(signal.SIGTERM, _exit_normally)
         signal.signal(signal.SIGINT, _exit_normally)
-        server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower()),
+        limits = ConnectionLimits(args.header_timeout, args.timeout_keep_alive, args.h11_max_incomplete_event_size,
+                                  args.limit_concurrency)
+        server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                                               **limits.uvicorn_options()),
                                 app.state.lifecycle, args.shutdown_timeout)
         server.run()
     finally:
