@@ -14,7 +14,10 @@ from loraplex.config import EngineConfig
 from loraplex.errors import LoraplexError
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from loraplex.client.base import EngineClient
+    from loraplex.server.draining import DrainingServer
 
 logger = logging.getLogger("loraplex.cli")
 
@@ -210,11 +213,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     import asyncio
     import gc
 
-    import uvicorn
-
     from loraplex.server.app import create_app
-    from loraplex.server.connections import ConnectionLimits
-    from loraplex.server.draining import DrainingServer
     from loraplex.server.tenancy.keys import KeyTable
 
     config = engine_config(args, parser)
@@ -261,14 +260,23 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         # serving, SIGTERM drains (server/draining.py) and serve() returns.
         signal.signal(signal.SIGTERM, _exit_normally)
         signal.signal(signal.SIGINT, _exit_normally)
-        limits = ConnectionLimits(args.header_timeout, args.timeout_keep_alive, args.h11_max_incomplete_event_size,
-                                  args.limit_concurrency)
-        server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                                               **limits.uvicorn_options()),
-                                app.state.lifecycle, args.shutdown_timeout)
-        server.run()
+        _http_server(app, args).run()
     finally:
         client.shutdown()
+
+
+def _http_server(app: FastAPI, args: argparse.Namespace) -> DrainingServer:
+    """The draining uvicorn server of ``app``, with the connection limits of ``args``."""
+    import uvicorn
+
+    from loraplex.server.connections import ConnectionLimits
+    from loraplex.server.draining import DrainingServer  # noqa: F811 - the run-time import of the hint
+
+    limits = ConnectionLimits(args.header_timeout, args.timeout_keep_alive, args.h11_max_incomplete_event_size,
+                              args.limit_concurrency)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                            **limits.uvicorn_options())
+    return DrainingServer(config, app.state.lifecycle, args.shutdown_timeout)
 
 
 def _exit_normally(signum: int, frame: object) -> None:
