@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from loraplex.adapters.names import ADAPTER_NAME_PATTERN
 from loraplex.engine.sampling.params import (
     LOGIT_BIAS_RANGE,
     MAX_LOGPROBS,
@@ -263,14 +264,17 @@ def render_chat(tokenizer: Any, conversation: list[dict[str, Any]], tools: list[
     return list(tokenizer(chat_text(tokenizer, conversation, tools), add_special_tokens=False)["input_ids"])
 
 
+_NAME_SCHEMA = {"pattern": ADAPTER_NAME_PATTERN}  # documented; checked by the routes (a 400 naming the pattern)
+
+
 class LoadAdapterRequest(_Body):
-    lora_name: str = Field(min_length=1)
+    lora_name: str = Field(min_length=1, json_schema_extra=_NAME_SCHEMA)
     lora_path: str = Field(min_length=1)
     version: Literal["new"] | None = None  # "new": a loaded name gets a new version and moves to it
 
 
 class UnloadAdapterRequest(_Body):
-    lora_name: str = Field(min_length=1)
+    lora_name: str = Field(min_length=1, json_schema_extra=_NAME_SCHEMA)
 
 
 class TokenizeCompletionRequest(BaseModel):

@@ -26,11 +26,11 @@ from __future__ import annotations
 import logging
 import math
 import re
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Body, Path, Request
 
-from loraplex.adapters.names import check_adapter_name
+from loraplex.adapters.names import ADAPTER_NAME_PATTERN, check_adapter_name
 from loraplex.errors import RequestError, UnknownAdapter
 from loraplex.server.context import ServerContext, context
 from loraplex.server.openai.errors import ServerError
@@ -74,6 +74,7 @@ def split_weights(body: Any) -> dict[int, float]:
 
 
 router = APIRouter()
+AdapterName = Annotated[str, Path(json_schema_extra={"pattern": ADAPTER_NAME_PATTERN})]  # checked in the handler
 
 
 def manager(request: Request, name: str | None = None) -> ApiKey:
@@ -137,8 +138,8 @@ async def list_adapter_versions(request: Request) -> dict:
 
 
 @router.post("/v1/adapters/{name}/rollback", response_model=AdapterVersions,
-             responses=documented(AdapterVersions, 403, 404, 409, 503))
-async def rollback_adapter(name: str, request: Request) -> dict:
+             responses=documented(AdapterVersions, 400, 403, 404, 409, 503))
+async def rollback_adapter(name: AdapterName, request: Request) -> dict:
     check_adapter_name(name, "name")
     manager(request, name)
     ctx = context(request)
@@ -149,7 +150,7 @@ async def rollback_adapter(name: str, request: Request) -> dict:
 
 @router.post("/v1/adapters/{name}/split", response_model=AdapterVersions,
              responses=documented(AdapterVersions, 400, 403, 404, 413, 503))
-async def split_adapter(name: str, request: Request,
+async def split_adapter(name: AdapterName, request: Request,
                         body: Any = Body(..., json_schema_extra=SPLIT_SCHEMA)) -> dict:  # noqa: B008
     check_adapter_name(name, "name")
     manager(request, name)
