@@ -14,16 +14,26 @@ from loraplex.config import EngineConfig
 from loraplex.errors import LoraplexError
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from loraplex.client.base import EngineClient
+    from loraplex.server.draining import DrainingServer
 
 logger = logging.getLogger("loraplex.cli")
 
 
 def adapter_spec(value: str) -> tuple[str, str]:
-    """``NAME=PATH`` -> (name, path); anything else is an argparse error."""
+    """``NAME=PATH`` -> (name, path); anything else, or a name outside the adapter name pattern
+    (``adapters/names.py``), is an argparse error."""
+    from loraplex.adapters.names import check_adapter_name
+
     name, sep, path = value.partition("=")
     if not sep or not name.strip() or not path.strip():
         raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    try:
+        check_adapter_name(name.strip())
+    except LoraplexError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return name.strip(), path.strip()
 
 
@@ -105,6 +115,27 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "prompt_logprobs (default: the context length)")
 
 
+def _connection_args(serve: argparse.ArgumentParser) -> None:
+    """Connection limits (``server/connections.py``) and the health check's stall timeout."""
+    from loraplex.server.connections import ConnectionLimits
+    from loraplex.server.routes.ops import DEFAULT_STALL_TIMEOUT_S
+
+    d = ConnectionLimits()
+    serve.add_argument("--header-timeout", type=seconds, default=d.header_timeout, metavar="SECONDS",
+                       help="close a connection whose request header is not complete this long after it opened "
+                            "or after its previous response (slowloris; default: %(default)g)")
+    serve.add_argument("--timeout-keep-alive", type=seconds, default=d.timeout_keep_alive, metavar="SECONDS",
+                       help="close an idle kept-alive connection after this long (uvicorn's; default: %(default)g)")
+    serve.add_argument("--h11-max-incomplete-event-size", type=positive_int, default=d.h11_max_incomplete_event_size,
+                       metavar="BYTES", help="most bytes of an incomplete request header (uvicorn's; default: "
+                                             "%(default)d)")
+    serve.add_argument("--limit-concurrency", type=positive_int, default=None, metavar="N",
+                       help="most open connections and tasks; more get 503 (uvicorn's; default: no limit)")
+    serve.add_argument("--stall-timeout", type=seconds, default=DEFAULT_STALL_TIMEOUT_S, metavar="SECONDS",
+                       help="/health answers 503 'stalled' when requests are open and no engine step finished "
+                            "for this long (default: %(default)g)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from loraplex.server.draining import DEFAULT_SHUTDOWN_TIMEOUT_S
     from loraplex.server.limits import BYTES_PER_CONTEXT_TOKEN
@@ -148,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "--max-loras - 1)")
     serve.add_argument("--in-process-engine", action="store_true",
                        help="run the step loop in a thread of the API process instead of its own process")
+    _connection_args(serve)
     gen = sub.add_parser("generate", help="print completions of PROMPT(s)")
     _engine_args(gen)
     gen.add_argument("--use", default=None, metavar="NAME", help="the adapter to generate with (default: base)")
@@ -197,10 +229,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     import asyncio
     import gc
 
-    import uvicorn
-
     from loraplex.server.app import create_app
-    from loraplex.server.draining import DrainingServer
     from loraplex.server.prepare.preparer import RequestPreparer
     from loraplex.server.tenancy.keys import KeyTable
 
@@ -225,7 +254,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                          allow_runtime_adapters=args.allow_runtime_adapters, adapter_roots=args.adapter_root,
                          api_key=args.api_key, api_keys=keys, load_on_demand=args.load_on_demand,
                          max_request_bytes=args.max_request_bytes,
-                         preparer=preparer, request_timeout=args.request_timeout or None)
+                         preparer=preparer, request_timeout=args.request_timeout or None,
+                         stall_timeout=args.stall_timeout)
         _pin(client, args.pin_adapter, parser)
         stats, adapters = asyncio.run(_describe(client))
         info = client.info
@@ -246,9 +276,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         # serving, SIGTERM drains (server/draining.py) and serve() returns.
         signal.signal(signal.SIGTERM, _exit_normally)
         signal.signal(signal.SIGINT, _exit_normally)
-        server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower()),
-                                app.state.lifecycle, args.shutdown_timeout)
-        server.run()
+        _http_server(app, args).run()
     finally:
         client.shutdown()
 
@@ -264,6 +292,20 @@ def _start_engine(args: argparse.Namespace, config: EngineConfig) -> EngineClien
     client = EngineProcess(config, startup_adapters(args), cpus=args.engine_cpus, log_level=args.log_level)
     client.start()
     return client
+
+
+def _http_server(app: FastAPI, args: argparse.Namespace) -> DrainingServer:
+    """The draining uvicorn server of ``app``, with the connection limits of ``args``."""
+    import uvicorn
+
+    from loraplex.server.connections import ConnectionLimits
+    from loraplex.server.draining import DrainingServer  # noqa: F811 - the run-time import of the hint
+
+    limits = ConnectionLimits(args.header_timeout, args.timeout_keep_alive, args.h11_max_incomplete_event_size,
+                              args.limit_concurrency)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                            **limits.uvicorn_options())
+    return DrainingServer(config, app.state.lifecycle, args.shutdown_timeout)
 
 
 def _exit_normally(signum: int, frame: object) -> None:

@@ -43,7 +43,7 @@ max_concurrent_requests = 1
 key = "sk-beta-0123456789"
 tenant = "beta"
 adapters = ["r4_attn"]
-tokens_per_minute = 12
+tokens_per_minute = 18  # the first request below reserves 2 + 12
 """
 KEYS_YAML = """
 keys:
@@ -59,7 +59,7 @@ keys:
   - key: sk-beta-0123456789
     tenant: beta
     adapters: [r4_attn]
-    tokens_per_minute: 12
+    tokens_per_minute: 18
 """
 OPS, ALPHA, BETA = "sk-ops-0123456789", "sk-alpha-0123456789", "sk-beta-0123456789"
 
@@ -187,7 +187,7 @@ def test_tenant_metrics_are_bounded_and_the_tenant_reaches_the_engine(server: Se
 
 
 def tenant_requests(server: Server) -> dict[tuple[str, str], float]:
-    text = httpx.get(f"{server.url}/metrics").text
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {OPS}"}).text
     return {(s.labels["tenant"], s.labels["status"]): s.value for family in text_string_to_metric_families(text)
             for s in family.samples if s.name == "loraplex_tenant_requests_total"}
 
@@ -225,11 +225,11 @@ def test_quota_windows_and_retry_after_with_a_fake_clock() -> None:
     with pytest.raises(ServerError) as refused:
         quotas.admit(key, 1)
     assert refused.value.status == 429 and "max_concurrent_requests" in str(refused.value)
-    a.release(50)  # 110 tokens in the window now: 30 at t=1000, 30 + 50 at t=1010
+    a.release(50)  # 80 tokens in the window now (30 + 50, at t=1010) and b's 30 reserved
     a.release(50)  # a second release is a no-op
     with pytest.raises(ServerError) as refused:
         quotas.admit(key, 1)
-    assert refused.value.headers["Retry-After"] == "50"  # at t=1060 the first 30 expire: 80 < 100
-    now[0] += 50
+    assert refused.value.headers["Retry-After"] == "60"  # at t=1070 the 80 expire: 30 reserved + 1 <= 100
+    now[0] += 60
     quotas.admit(key, 1).release()
     b.release()

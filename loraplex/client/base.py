@@ -81,6 +81,7 @@ class EngineClient(abc.ABC):
         self.outputs = OutputProcessor()
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams (and the subclass's own state)
+        self._beat = time.monotonic()  # the last step's arrival, or when work became pending after none was
         self._base_fingerprint: str | None = None
 
     @property
@@ -111,6 +112,13 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     def health(self) -> EngineHealth:
         """The engine's state now; never blocks."""
+
+    def heartbeat(self) -> tuple[int, float]:
+        """The step loop's heartbeat, seen from here: (requests open, seconds since a step's outputs last
+        arrived or since work became pending while none was, whichever is later). Open requests and a
+        growing age mean the step loop is stalled (the engine process stopped, a step that never ends)."""
+        with self._lock:
+            return len(self._streams), time.monotonic() - self._beat
 
     @property
     def running(self) -> bool:
@@ -156,6 +164,8 @@ class EngineClient(abc.ABC):
             taken = [s.request_id for s in streams if s.request_id in self._streams]
             if taken or len({s.request_id for s in streams}) < len(streams):
                 raise RequestError(f"request id {(taken or [''])[0]!r} is already in use", "request_id")
+            if not self._streams:
+                self._beat = time.monotonic()
             self._streams.update((s.request_id, s) for s in streams)
         for request_id, token_ids, params in items:
             self.outputs.add(request_id, token_ids, params, version.tokenizer, version.name)
@@ -222,6 +232,7 @@ class EngineClient(abc.ABC):
         for observe in self.step_observers:
             observe(seconds, full)
         with self._lock:
+            self._beat = time.monotonic()
             targets = [(self._streams.get(out.request_id), out) for out in full]
             for out in full:
                 if out.finished:

@@ -44,6 +44,7 @@ from loraplex.server.openai.openapi import install_openapi
 from loraplex.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from loraplex.server.prepare.preparer import PrepareConfig, RequestPreparer
 from loraplex.server.routes import adapters, generate, models, ops, tokenize
+from loraplex.server.routes.ops import DEFAULT_STALL_TIMEOUT_S
 from loraplex.server.routes.playground import mount_playground
 from loraplex.server.tenancy.access import AdapterPathPolicy, BearerAuthMiddleware, caller
 from loraplex.server.tenancy.keys import KeyTable
@@ -65,6 +66,7 @@ def create_app(
     prepare_processes: int = 0,
     preparer: RequestPreparer | None = None,
     request_timeout: float | None = None,
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
 ) -> FastAPI:
     """An app serving ``engine``: an ``EngineClient`` (a started ``EngineProcess``, an ``AsyncEngine``),
     an ``Engine`` or an ``LLM`` (both served in-process).
@@ -79,6 +81,7 @@ def create_app(
     started) before the engine was, to serve with instead (its processes import while the engine loads; it
     is configured here, and ``prepare_processes`` is then ignored). ``request_timeout``: seconds a generation
     request may run before it is stopped (504); ``app.state.lifecycle`` drains the app on shutdown.
+    ``stall_timeout``: seconds with requests open and no engine step before ``/health`` says ``stalled``.
     """
     client = engine if isinstance(engine, EngineClient) else AsyncEngine(getattr(engine, "engine", engine))
     if load_on_demand and not adapter_roots:
@@ -94,7 +97,7 @@ def create_app(
         preparer=_configured(preparer or RequestPreparer(processes=prepare_processes), client),
         keys=keys, quotas=TenantQuotas(),
         on_demand=OnDemandLoader(client, AdapterRoots(adapter_roots)) if load_on_demand else None,
-        started=int(time.time()))
+        started=int(time.time()), stall_timeout=stall_timeout)
     client.step_observers.append(ctx.metrics.observe_step)
     app = FastAPI(title="loraplex", lifespan=partial(_lifespan, ctx))
     install_error_handlers(app)

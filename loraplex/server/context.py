@@ -52,6 +52,7 @@ class ServerContext:
     quotas: TenantQuotas
     on_demand: OnDemandLoader | None
     started: int  # Unix time the app was made (the base model's ``created``)
+    stall_timeout: float = 60.0  # /health says "stalled" when requests are open and no step arrived for this long
     _token_texts: weakref.WeakKeyDictionary[Any, TokenTexts] = field(default_factory=weakref.WeakKeyDictionary)
 
     def adapter_for(self, model: str) -> str | None:

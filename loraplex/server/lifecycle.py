@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loraplex.client.base import RequestStream
 from loraplex.errors import LoraplexError, RequestTimedOut
-from loraplex.server.openai.errors import error_response
+from loraplex.server.openai.errors import RETRY_AFTER_503_S, error_response
 
 UNGUARDED_PATHS = ("/health", "/metrics")  # answered during a drain, and not waited for
 
@@ -115,7 +115,8 @@ class LifecycleMiddleware:
         path = scope.get("path", "")
         if self.lifecycle.stopping and path != "/metrics":
             if path == "/health":
-                response = JSONResponse({"status": "stopping", "detail": "the server is shutting down"}, 503)
+                response = JSONResponse({"status": "stopping", "detail": "the server is shutting down"}, 503,
+                                        headers={"Retry-After": str(RETRY_AFTER_503_S)})
             else:
                 response = error_response(503, "the server is shutting down and accepts no new requests")
             response.headers["Connection"] = "close"

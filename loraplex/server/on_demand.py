@@ -3,7 +3,8 @@ request for ``model=NAME`` that no loaded adapter answers loads ``DIR/NAME`` fir
 
 - ``AdapterRoots``: ``<root>/NAME`` in the first root holding an adapter folder of that name, with the
   runtime loads' path checks (``AdapterPathPolicy``: after ``..`` and symlinks it must stay inside its
-  root, else 403); a name that is a path (a ``/``, a leading ``.``) is never looked up.
+  root, else 403; every file the load opens must resolve inside the roots too); a name outside the adapter
+  name pattern (``adapters/names.py``: a ``/``, a leading ``.``, blanks...) is never looked up.
 - ``OnDemandLoader``: single flight: however many requests for NAME arrive together, ONE load runs (one
   asyncio future per name) and every one of them waits for it; a failed load (an invalid folder: 400)
   fails each of them with its error, and the next request tries again.
@@ -18,8 +19,9 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
+from loraplex.adapters.names import check_adapter_name
 from loraplex.client.base import EngineClient
-from loraplex.errors import AdapterAlreadyLoaded
+from loraplex.errors import AdapterAlreadyLoaded, InvalidAdapterName
 from loraplex.server.openai.errors import ServerError
 from loraplex.server.tenancy.access import AdapterPathPolicy
 
@@ -34,7 +36,9 @@ class AdapterRoots:
     def find(self, name: str) -> Path | None:
         """``<root>/name`` in the first root holding an adapter of that name; ``ServerError(403)`` if it
         resolves outside its root (a symlink); None if no root has it or the name is a path."""
-        if not name or name.startswith(".") or "/" in name or "\\" in name or "\x00" in name:
+        try:
+            check_adapter_name(name)
+        except InvalidAdapterName:
             return None
         for root in self.roots:
             folder = root / name
@@ -88,7 +92,7 @@ class OnDemandLoader:
 
     async def _load(self, name: str, folder: Path) -> None:
         try:
-            await self.client.load_adapter(name, str(folder))
+            await self.client.load_adapter(name, str(folder), roots=self.roots.policy.load_roots())
         except AdapterAlreadyLoaded:  # loaded by another path (an explicit load) meanwhile
             return
         self.loads += 1

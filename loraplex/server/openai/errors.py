@@ -30,7 +30,9 @@ _TYPE_BY_STATUS = {
     415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    503: "service_unavailable",
 }
+RETRY_AFTER_503_S = 1  # every 503 says when to come back (a cause that knows better sets its own)
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: int | str | None = None) -> dict:
@@ -52,7 +54,10 @@ class ServerError(Exception):
 def error_response(status: int, message: str, param: str | None = None,
                    error_type: str | None = None) -> JSONResponse:
     error_type = error_type or _TYPE_BY_STATUS.get(status, "internal_error" if status >= 500 else "error")
-    return JSONResponse(error_body(message, error_type, param, status), status_code=status)
+    response = JSONResponse(error_body(message, error_type, param, status), status_code=status)
+    if status == 503:
+        response.headers["Retry-After"] = str(RETRY_AFTER_503_S)
+    return response
 
 
 def loraplex_error_response(exc: LoraplexError) -> JSONResponse:

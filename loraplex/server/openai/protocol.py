@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from loraplex.adapters.names import ADAPTER_NAME_PATTERN
 from loraplex.engine.sampling.params import (
     LOGIT_BIAS_RANGE,
     MAX_LOGPROBS,
@@ -174,11 +175,21 @@ class TextPart(BaseModel):
     text: str
 
 
+def _text_parts_only(content: Any) -> Any:
+    """A content part that is not text (``image_url``, ``input_audio``, ``file``...) is refused by name."""
+    if isinstance(content, list):
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content part {i} has type {kind!r}: only text content parts are supported")
+    return content
+
+
 class ChatMessage(_Body):
     unimplemented: ClassVar = MESSAGE_UNIMPLEMENTED
     where: ClassVar[str] = "messages"
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
+    content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts_only)] = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[MessageToolCall] | None = None
@@ -253,14 +264,17 @@ def render_chat(tokenizer: Any, conversation: list[dict[str, Any]], tools: list[
     return list(tokenizer(chat_text(tokenizer, conversation, tools), add_special_tokens=False)["input_ids"])
 
 
+_NAME_SCHEMA = {"pattern": ADAPTER_NAME_PATTERN}  # documented; checked by the routes (a 400 naming the pattern)
+
+
 class LoadAdapterRequest(_Body):
-    lora_name: str = Field(min_length=1)
+    lora_name: str = Field(min_length=1, json_schema_extra=_NAME_SCHEMA)
     lora_path: str = Field(min_length=1)
     version: Literal["new"] | None = None  # "new": a loaded name gets a new version and moves to it
 
 
 class UnloadAdapterRequest(_Body):
-    lora_name: str = Field(min_length=1)
+    lora_name: str = Field(min_length=1, json_schema_extra=_NAME_SCHEMA)
 
 
 class TokenizeCompletionRequest(BaseModel):

@@ -27,7 +27,7 @@ import os
 import signal
 import threading
 import time
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 from typing import Any
@@ -80,12 +80,27 @@ def _run(config: PrepareConfig, base: Any, kind: str, *args: Any) -> Any:
 
 
 def _started() -> None:
-    """A first job: makes the pool start a process (which imports what it needs) without any config."""
+    """A first job: makes a pool start its process (which imports what it needs) before any config."""
+
+
+class _Worker:
+    """One worker process (a one-process pool: its death breaks only it), with its jobs in flight."""
+
+    def __init__(self) -> None:
+        self.pool = ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=_init_process,
+                                        initargs=(os.getpid(),))
+        self.jobs = 0
+        self.ready = False  # its tokenizer is loaded (a replacement is cold until its warm-up ran)
 
 
 class RequestPreparer:
     """``processes`` worker processes, or (0) ``threads`` worker threads. ``base_tokenizer``: the base model's
     tokenizer for thread workers (processes load it from ``config.tokenizer_path``).
+
+    Each process is a pool of its own, and a job goes to the ready one with the fewest jobs: a worker that
+    dies (killed, out of memory) fails only the job it was running (503) and is replaced alone, warmed up in
+    the background, while the others keep serving; a job refused because its worker was already dead is
+    sent to another one.
 
     ``config`` may come later (``configure``), so that ``start`` can spawn the worker processes, which
     spend seconds importing, while the engine is still loading the model: ``loraplex serve`` does."""
@@ -93,26 +108,33 @@ class RequestPreparer:
     def __init__(self, config: PrepareConfig | None = None, base_tokenizer: Any = None, processes: int = 0,
                  threads: int = 2) -> None:
         self.config, self.base_tokenizer, self.processes, self.threads = config, base_tokenizer, processes, threads
-        self._pool = self._new_pool()
-
-    def _new_pool(self) -> Executor:
-        if self.processes:
-            return ProcessPoolExecutor(self.processes, mp_context=get_context("spawn"), initializer=_init_process,
-                                       initargs=(os.getpid(),))
-        return ThreadPoolExecutor(self.threads, thread_name_prefix="loraplex-prepare")
+        self._threads = None if processes else ThreadPoolExecutor(threads, thread_name_prefix="loraplex-prepare")
+        self._workers = [_Worker() for _ in range(processes)]
+        self.replaced = 0  # worker processes replaced after a death
 
     def start(self) -> None:
         """Spawn the worker processes now (no-op for threads); they import while the caller goes on."""
-        for _ in range(self.processes):
-            self._pool.submit(_started)
+        for worker in self._workers:
+            worker.pool.submit(_started)
 
     def configure(self, config: PrepareConfig, base_tokenizer: Any = None) -> None:
         """The model's tokenizer and limits, once the engine has said them (before the first job)."""
         self.config, self.base_tokenizer = config, base_tokenizer
 
+    def worker_pids(self) -> list[int]:
+        """The worker processes' pids (those started so far)."""
+        return [pid for worker in self._workers for pid in worker.pool._processes or {}]
+
     async def warm_up(self) -> None:
         """Start every worker now (processes load their tokenizer), not on the first requests."""
-        await asyncio.gather(*(self._run("warm_up") for _ in range(self.processes or self.threads)))
+        if self._threads is not None:
+            await asyncio.gather(*(self._run("warm_up") for _ in range(self.threads)))
+        else:
+            await asyncio.gather(*(self._warm(worker) for worker in self._workers))
+
+    async def _warm(self, worker: _Worker) -> None:
+        await asyncio.wrap_future(worker.pool.submit(_run, self._config(), None, "warm_up"))
+        worker.ready = True
 
     async def parse_completion(self, raw: bytes) -> Parsed:
         light = bool(self.processes)
@@ -139,25 +161,56 @@ class RequestPreparer:
     async def detokenize(self, tokens: list[int], version: Version) -> str:
         return await self._run("detokenize", tokens, self._job(version))
 
+    def _config(self) -> PrepareConfig:
+        if self.config is None:
+            raise RuntimeError("RequestPreparer.configure() was not called")
+        return self.config
+
     def _job(self, version: Version) -> Version:
         """The version as a job carries it: whole to a thread, portable to a process."""
         return version.portable() if self.processes else version
 
     async def _run(self, kind: str, *args: Any) -> Any:
         try:
-            if self.config is None:
-                raise RuntimeError("RequestPreparer.configure() was not called")
-            base = None if self.processes else self.base_tokenizer
-            return await asyncio.wrap_future(self._pool.submit(_run, self.config, base, kind, *args))
+            if self._threads is not None:
+                return await asyncio.wrap_future(self._threads.submit(_run, self._config(), self.base_tokenizer,
+                                                                      kind, *args))
+            return await self._run_in_process(kind, *args)
         except InvalidBody as exc:
             raise RequestValidationError(exc.errors) from None
-        except BrokenProcessPool:
-            logger.error("a request-preparation worker process died; starting new ones")
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = self._new_pool()
-            raise ServerError(503, "a request-preparation worker died while preparing this request; "
-                              "retry it") from None
+
+    async def _run_in_process(self, kind: str, *args: Any) -> Any:
+        for _ in range(len(self._workers) + 1):  # a worker found dead at submission: the job goes elsewhere
+            worker = min(self._workers, key=lambda w: (not w.ready, w.jobs))
+            try:
+                future = worker.pool.submit(_run, self._config(), None, kind, *args)
+            except BrokenProcessPool:
+                self._replace(worker)
+                continue
+            worker.jobs += 1
+            try:
+                return await asyncio.wrap_future(future)
+            except BrokenProcessPool:
+                self._replace(worker)
+                raise ServerError(503, "a request-preparation worker died while preparing this request; "
+                                  "retry it") from None
+            finally:
+                worker.jobs -= 1
+        raise ServerError(503, "no request-preparation worker is alive; retry the request")
+
+    def _replace(self, dead: _Worker) -> None:
+        """Replace ``dead`` alone (once, however many jobs saw it die); its replacement warms up meanwhile."""
+        if dead not in self._workers:
+            return
+        logger.error("a request-preparation worker process died; starting a new one (the others keep serving)")
+        dead.pool.shutdown(wait=False, cancel_futures=True)
+        fresh = _Worker()
+        self._workers[self._workers.index(dead)] = fresh
+        self.replaced += 1
+        task = asyncio.ensure_future(self._warm(fresh))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failed warm-up: the next job says why
 
     def shutdown(self) -> None:
         """Stop the workers (blocking until they exited)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        for pool in [self._threads] if self._threads is not None else [w.pool for w in self._workers]:
+            pool.shutdown(wait=True, cancel_futures=True)

@@ -108,8 +108,11 @@ class PrepareWorker:
         """``/tokenize``: (token ids, their strings when asked) of a prompt or of rendered chat messages."""
         tokenizer = self.tokenizers.tokenizer_for(version)
         if isinstance(body, TokenizeChatRequest):
-            ids = render_chat(tokenizer, [m.template_message() for m in body.messages])
+            messages = [m.template_message() for m in body.messages]
+            check_unicode(messages, "messages")
+            ids = render_chat(tokenizer, messages)
         else:
+            check_unicode(body.prompt, "prompt")
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return ids, tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
 
@@ -155,6 +158,23 @@ class PrepareWorker:
 def _reserve(max_tokens: Any, default: int) -> int:
     """New tokens the prompt must leave room for (an invalid ``max_tokens`` is reported later)."""
     return max_tokens if isinstance(max_tokens, int) and max_tokens >= 0 else default
+
+
+def check_unicode(value: object, param: str) -> None:
+    """``RequestError`` on ``param`` if a string in ``value`` (nested lists and dicts too) is not valid Unicode
+    text: a lone surrogate (JSON ``"\\ud800"``) cannot be encoded, so no tokenizer can read it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise RequestError(f"{param} holds a lone surrogate ({value[exc.start]!r} at character {exc.start}): "
+                               "not valid Unicode text", param) from None
+    elif isinstance(value, dict):
+        for item in value.values():
+            check_unicode(item, param)
+    elif isinstance(value, list):
+        for item in value:
+            check_unicode(item, param)
 
 
 def _parse(model: type[BaseModel], raw: bytes) -> Any:

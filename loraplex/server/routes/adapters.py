@@ -19,6 +19,10 @@
   entry. The body is bounded by ``--max-request-bytes`` (413), parsed off the event loop with the checked
   safetensors parser (never unpickled), and validated as a folder is (the same typed errors).
 
+Every name (``lora_name``, the ``{name}`` of a path) is checked first against the one pattern
+(``adapters/names.py``: 400 ``InvalidAdapterName`` naming the field). A load reads only files inside the
+``--adapter-root`` folders (every file, after symlinks: the engine checks each one it opens).
+
 Every change needs runtime adapter management on (``--allow-runtime-adapters``, else 403) and, with API
 keys, an admin key (else 403). A name outside the caller's scope is answered as an unknown one (404, the
 engine's own message), so names do not leak.
@@ -30,10 +34,11 @@ import asyncio
 import logging
 import math
 import re
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Body, Path, Request
 
+from loraplex.adapters.names import ADAPTER_NAME_PATTERN, check_adapter_name
 from loraplex.adapters.reading.safetensors_file import HEADER_LENGTH_BYTES, header_length, parse_header
 from loraplex.engine.wire import TensorBlob
 from loraplex.errors import InvalidAdapter, RequestError, UnknownAdapter
@@ -79,6 +84,7 @@ def split_weights(body: Any) -> dict[int, float]:
 
 
 router = APIRouter()
+AdapterName = Annotated[str, Path(json_schema_extra={"pattern": ADAPTER_NAME_PATTERN})]  # checked in the handler
 
 
 def manager(request: Request, name: str | None = None) -> ApiKey:
@@ -103,6 +109,7 @@ async def entry_of(ctx: ServerContext, name: str) -> dict:
 @router.post("/v1/load_lora_adapter", response_model=AdapterLoaded,
              responses=documented(AdapterLoaded, 400, 403, 404, 409, 413, 503, 507))
 async def load_lora_adapter(body: LoadAdapterRequest, request: Request) -> dict:
+    check_adapter_name(body.lora_name, "lora_name")
     ctx = context(request)
     path = ctx.policy.check(body.lora_path)
     key = manager(request)
@@ -111,7 +118,8 @@ async def load_lora_adapter(body: LoadAdapterRequest, request: Request) -> dict:
     if body.lora_name in ctx.base_aliases:
         raise ServerError(400, f"lora_name {body.lora_name!r} is the base model's name", "lora_name")
     try:
-        info = await ctx.client.load_adapter(body.lora_name, str(path), new_version=body.version == "new")
+        info = await ctx.client.load_adapter(body.lora_name, str(path), new_version=body.version == "new",
+                                             roots=ctx.policy.load_roots())
     except Exception:
         ctx.metrics.runtime_loads.labels("error").inc()
         raise
@@ -124,6 +132,7 @@ async def load_lora_adapter(body: LoadAdapterRequest, request: Request) -> dict:
 @router.post("/v1/unload_lora_adapter", response_model=AdapterUnloaded,
              responses=documented(AdapterUnloaded, 400, 403, 404, 413, 503))
 async def unload_lora_adapter(body: UnloadAdapterRequest, request: Request) -> dict:
+    check_adapter_name(body.lora_name, "lora_name")
     manager(request, body.lora_name)
     await context(request).client.unload_adapter(body.lora_name)
     reset_openapi(request.app)
@@ -139,8 +148,9 @@ async def list_adapter_versions(request: Request) -> dict:
 
 
 @router.post("/v1/adapters/{name}/rollback", response_model=AdapterVersions,
-             responses=documented(AdapterVersions, 403, 404, 409, 503))
-async def rollback_adapter(name: str, request: Request) -> dict:
+             responses=documented(AdapterVersions, 400, 403, 404, 409, 503))
+async def rollback_adapter(name: AdapterName, request: Request) -> dict:
+    check_adapter_name(name, "name")
     manager(request, name)
     ctx = context(request)
     info = await ctx.client.rollback_adapter(name)
@@ -150,8 +160,9 @@ async def rollback_adapter(name: str, request: Request) -> dict:
 
 @router.post("/v1/adapters/{name}/split", response_model=AdapterVersions,
              responses=documented(AdapterVersions, 400, 403, 404, 413, 503))
-async def split_adapter(name: str, request: Request,
+async def split_adapter(name: AdapterName, request: Request,
                         body: Any = Body(..., json_schema_extra=SPLIT_SCHEMA)) -> dict:  # noqa: B008
+    check_adapter_name(name, "name")
     manager(request, name)
     ctx = context(request)
     weights = split_weights(body)
@@ -181,8 +192,9 @@ def parse_upload(body: bytes, name: str) -> tuple[int, str]:
 
 @router.put("/v1/adapters/{name}", response_model=AdapterVersions, openapi_extra=UPLOAD_BODY,
             responses=documented(AdapterVersions, 400, 403, 413, 415, 503, 507))
-async def put_adapter(name: str, request: Request) -> dict:
+async def put_adapter(name: AdapterName, request: Request) -> dict:
     """Load ``name`` from the body's tensors, or promote a new version of it (module docstring)."""
+    check_adapter_name(name, "name")
     ctx = context(request)
     key = manager(request)
     if not key.may_use(name):
@@ -207,8 +219,9 @@ async def put_adapter(name: str, request: Request) -> dict:
 
 
 @router.post("/v1/adapters/{name}/pin", response_model=AdapterVersions,
-             responses=documented(AdapterVersions, 403, 404, 409, 503))
-async def pin_adapter(name: str, request: Request) -> dict:
+             responses=documented(AdapterVersions, 400, 403, 404, 409, 503))
+async def pin_adapter(name: AdapterName, request: Request) -> dict:
+    check_adapter_name(name, "name")
     manager(request, name)
     ctx = context(request)
     await ctx.client.pin_adapter(name)
@@ -217,8 +230,9 @@ async def pin_adapter(name: str, request: Request) -> dict:
 
 
 @router.post("/v1/adapters/{name}/unpin", response_model=AdapterVersions,
-             responses=documented(AdapterVersions, 403, 404, 503))
-async def unpin_adapter(name: str, request: Request) -> dict:
+             responses=documented(AdapterVersions, 400, 403, 404, 503))
+async def unpin_adapter(name: AdapterName, request: Request) -> dict:
+    check_adapter_name(name, "name")
     manager(request, name)
     ctx = context(request)
     await ctx.client.unpin_adapter(name)

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from loraplex.client.directory import Version
-from loraplex.engine.request import RequestTags
+from loraplex.engine.request import RequestTags, SamplingParams
 from loraplex.server.context import context
 from loraplex.server.generation import Generation, run_generation
 from loraplex.server.openai.openapi import GENERATION_ERRORS, documented
@@ -23,6 +23,7 @@ from loraplex.server.openai.responses import ResponseBuilder
 from loraplex.server.openai.schemas import ChatCompletionResponse, CompletionResponse
 from loraplex.server.prepare.worker import Prepared
 from loraplex.server.tenancy.access import caller
+from loraplex.server.tenancy.quotas import Demand
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -30,11 +31,18 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 router = APIRouter()
 
 
-def tenancy(request: Request, body: Any, prepared: Prepared) -> dict[str, Any]:
+def demand(prompts: list[list[int]], params: SamplingParams, max_model_len: int) -> Demand:
+    """What a request may take at most: its prompts, each choice's ``max_tokens`` (capped by the rest of the
+    context), one engine seat per choice of each prompt."""
+    most = sum(params.n * max(0, min(params.max_tokens, max_model_len - len(p))) for p in prompts)
+    return Demand(sum(len(p) for p in prompts), most, params.n * len(prompts))
+
+
+def tenancy(request: Request, body: Any, prepared: Prepared, params: SamplingParams) -> dict[str, Any]:
     """The caller's ``Generation`` fields: tenant and priority, and a lease within its limits (else 429;
     ``run_generation`` ends it)."""
-    key = caller(request)
-    lease = context(request).quotas.admit(key, sum(len(p) for p in prepared.prompt_token_ids))
+    key, ctx = caller(request), context(request)
+    lease = ctx.quotas.admit(key, demand(prepared.prompt_token_ids, params, ctx.client.max_model_len))
     return {"tags": RequestTags(key.tenant, body.priority or 0), "on_end": lease.release}
 
 
@@ -53,7 +61,7 @@ async def completions(request: Request) -> Response:
                                 show_prompt_logprobs=body.prompt_logprobs is not None),
         prompts=prepared.prompt_token_ids, params=params, version=version, stream=bool(body.stream),
         include_usage=body.include_usage, field_of=body.field_of, user=body.user,
-        **tenancy(request, body, prepared),
+        **tenancy(request, body, prepared, params),
     )
     return await run_generation(ctx.client, ctx.metrics, gen, request, ctx.lifecycle)
 
@@ -74,6 +82,6 @@ async def chat_completions(request: Request) -> Response:
                                 tool_parser=body.tool_parser()),
         prompts=[prompt_ids], params=params, version=version, stream=bool(body.stream),
         include_usage=body.include_usage, field_of=body.field_of, user=body.user or body.safety_identifier,
-        **tenancy(request, body, prepared),
+        **tenancy(request, body, prepared, params),
     )
     return await run_generation(ctx.client, ctx.metrics, gen, request, ctx.lifecycle)

@@ -1,8 +1,10 @@
 """Access control: who may call the API, and which adapter folders it may load at run time.
 
 - ``BearerAuthMiddleware``: with API keys set (``server/tenancy/keys.py``), every ``/v1/*`` call needs
-  ``Authorization: Bearer KEY`` of a configured key (401 otherwise); ``/health`` and ``/metrics`` stay
-  open. The key found is put in the request's scope (``caller(request)`` reads it); with scoped keys, a
+  ``Authorization: Bearer KEY`` of a configured key (401 otherwise); ``/health`` stays open. ``/metrics``
+  (every adapter's and tenant's traffic) stays open only with the single ``--api-key``; with a keys file it
+  needs a key that may scrape (admin, or ``metrics = true``): 401 without a key, 403 with another.
+  The key found is put in the request's scope (``caller(request)`` reads it); with scoped keys, a
   call outside ``/v1`` (``/tokenize``, ``/detokenize``: no key needed, as vLLM) gets the scope of its key
   if it sends one, else the base model's only (``ANONYMOUS``), so no path leaks adapter names. A plain ASGI
   middleware (not ``BaseHTTPMiddleware``) so streamed responses and client disconnects pass through.
@@ -41,12 +43,18 @@ class BearerAuthMiddleware:
         self._keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        guarded = scope["type"] == "http" and (scope["path"].startswith("/v1") or (
+            scope["path"] == "/metrics" and not self._keys.open_metrics))
+        if guarded:
             key = self.authorized(scope)
             if key is None:
                 response = error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
                 response.headers["WWW-Authenticate"] = "Bearer"
                 await response(scope, receive, send)
+                return
+            if scope["path"] == "/metrics" and not key.may_scrape:
+                await error_response(403, "this API key may not read /metrics (it is neither an admin key nor "
+                                     "a key with metrics = true)")(scope, receive, send)
                 return
             scope[_SCOPE_KEY] = key
         elif scope["type"] == "http" and self._keys.scoped:
@@ -85,3 +93,8 @@ class AdapterPathPolicy:
                 f"{', '.join(str(r) for r in self.roots)}", "lora_path",
             )
         return resolved
+
+    def load_roots(self) -> list[str] | None:
+        """The roots every file of a runtime load must resolve inside (the engine checks each file it opens:
+        ``ForbiddenAdapterPath``, 403); None with no roots."""
+        return [str(root) for root in self.roots] or None

@@ -7,9 +7,13 @@
 - ``adapters``: adapter names or glob patterns (``fnmatch``: ``acme-*``) the key may use (default: none).
 - ``base_model``: whether it may use the base model (default true).
 - ``admin``: whether it may load, unload, roll back and split adapters (default false).
-- ``max_concurrent_requests``, ``tokens_per_minute``: optional limits (``server/tenancy/quotas.py``).
+- ``metrics``: whether it may read ``GET /metrics`` (default false; admin keys always may): a scraper's key.
+- ``max_concurrent_requests``, ``max_running_requests``, ``tokens_per_minute``: optional limits
+  (``server/tenancy/quotas.py``).
 
-``--api-key KEY`` is the single-key form: tenant ``default``, every adapter, the base model, admin.
+``--api-key KEY`` is the single-key form: tenant ``default``, every adapter, the base model, admin; with it
+``/metrics`` stays open (``KeyTable.open_metrics``). With a keys file, ``/metrics`` lists every adapter's and
+tenant's traffic, so only admin keys and keys with ``metrics = true`` may read it.
 An adapter outside a key's scope is answered exactly as an unknown one (404, same body), so names do not
 leak. Keys are compared in constant time (``hmac.compare_digest`` against every configured key).
 """
@@ -24,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_TENANT = "default"  # the tenant of the single --api-key
-_FIELDS = {"key", "tenant", "adapters", "base_model", "admin", "max_concurrent_requests", "tokens_per_minute"}
+_LIMITS = ("max_concurrent_requests", "max_running_requests", "tokens_per_minute")
+_FIELDS = {"key", "tenant", "adapters", "base_model", "admin", "metrics", *_LIMITS}
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,13 @@ class ApiKey:
     admin: bool = True
     max_concurrent_requests: int | None = None
     tokens_per_minute: int | None = None
+    metrics: bool = False  # may read /metrics without being an admin (a scraper)
+    max_running_requests: int | None = None  # engine requests (choices) in flight
+
+    @property
+    def may_scrape(self) -> bool:
+        """Whether this key may read ``GET /metrics``."""
+        return self.admin or self.metrics
 
     def may_use(self, adapter: str | None) -> bool:
         """Whether this key may run requests on ``adapter`` (None: the base model)."""
@@ -53,8 +65,9 @@ ANONYMOUS = ApiKey(key="", tenant=None, adapters=(), admin=False)  # no key sent
 class KeyTable:
     """The configured keys; ``lookup`` finds the one a bearer token names, in constant time."""
 
-    def __init__(self, keys: Iterable[ApiKey]) -> None:
+    def __init__(self, keys: Iterable[ApiKey], open_metrics: bool = False) -> None:
         self.keys = tuple(keys)
+        self.open_metrics = open_metrics  # /metrics needs no key (the single --api-key form)
         secrets = [k.key for k in self.keys]
         if len(set(secrets)) != len(secrets):
             raise ValueError("the same key is listed twice")
@@ -63,7 +76,7 @@ class KeyTable:
 
     @classmethod
     def single(cls, key: str) -> KeyTable:
-        return cls([ApiKey(key=key, tenant=DEFAULT_TENANT)])
+        return cls([ApiKey(key=key, tenant=DEFAULT_TENANT)], open_metrics=True)
 
     @classmethod
     def load(cls, path: str | Path) -> KeyTable:
@@ -107,14 +120,13 @@ def _entry(path: Path, index: int, entry: Any) -> ApiKey:
     adapters = entry.get("adapters", [])
     if not isinstance(adapters, list) or not all(isinstance(a, str) and a for a in adapters):
         raise ValueError(f"{where}.adapters: expected a list of adapter names or glob patterns")
-    for name in ("base_model", "admin"):
+    for name in ("base_model", "admin", "metrics"):
         if not isinstance(entry.get(name, False), bool):
             raise ValueError(f"{where}.{name}: expected true or false")
-    for name in ("max_concurrent_requests", "tokens_per_minute"):
+    for name in _LIMITS:
         value = entry.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{where}.{name}: expected a positive integer")
     return ApiKey(key=entry["key"], tenant=entry["tenant"], adapters=tuple(adapters),
                   base_model=entry.get("base_model", True), admin=entry.get("admin", False),
-                  max_concurrent_requests=entry.get("max_concurrent_requests"),
-                  tokens_per_minute=entry.get("tokens_per_minute"))
+                  metrics=entry.get("metrics", False), **{name: entry.get(name) for name in _LIMITS})

@@ -8,6 +8,12 @@ whitespace between tokens); otherwise each run of whitespace is at most ``MAX_WH
 ``disable_additional_properties`` is set (xgrammar's strict mode, as vLLM serves it); ``whitespace_pattern``
 and ``structural_tag`` are not implemented and refused when set.
 
+Untrusted constraints do bounded work: before anything is built, ``check_limits`` refuses (``RequestError``
+naming the limit) a schema or grammar over ``MAX_SOURCE_CHARS``, a schema nested over ``MAX_SCHEMA_DEPTH``,
+more than ``MAX_ENUM_VALUES`` enum / const values (``choice`` entries count too) or ``MAX_PROPERTIES``
+properties in all, and a regex (``regex`` or a schema's ``pattern``) over ``MAX_REGEX_CHARS``: a 30,000-value
+enum or a 20,000-property schema took xgrammar 45-60 s to compile.
+
 ``validate`` builds the grammar without a tokenizer (milliseconds), so a bad schema is a
 ``RequestError`` before the request is queued; the engine then compiles it against the request's
 tokenizer off the step loop (``compiler.py``). The object holds plain strings and pickles cheaply.
@@ -27,6 +33,11 @@ from loraplex.errors import RequestError
 PARAM = "structured_outputs"
 MAX_WHITESPACE = 16
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+MAX_SOURCE_CHARS = 64 * 1024  # a schema (as compact JSON), a grammar or a choice list
+MAX_SCHEMA_DEPTH = 32
+MAX_ENUM_VALUES = 1024  # enum and const values of a schema in all, or choice entries
+MAX_PROPERTIES = 512  # properties of all a schema's objects
+MAX_REGEX_CHARS = 4096  # a regex constraint, or one ``pattern`` of a schema
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,7 @@ class StructuredOutputsParams:
         if self.choice is not None and (isinstance(self.choice, str) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise RequestError(f"{param}.choice must be a non-empty list of non-empty strings", param)
+        check_limits(self, param)
         key = self.cache_key()
         if key not in _BUILT:  # the server checks a body once, the engine again: build each constraint once
             self.build(param)
@@ -134,3 +146,52 @@ def _check_schema(schema: object, param: str) -> None:
             raise RequestError(f"{param}: the JSON schema is not valid JSON: {exc}", param) from exc
     if not isinstance(schema, dict):
         raise RequestError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param)
+
+
+def _over(param: str, what: str, limit: int, name: str) -> RequestError:
+    return RequestError(f"{param}: {what}, over the limit of {limit} ({name})", param)
+
+
+def check_limits(params: StructuredOutputsParams, param: str = PARAM) -> None:
+    """``RequestError`` on ``param`` naming the limit a constraint passes (see the module docstring)."""
+    kind = params.kind
+    if kind == "regex" and len(str(params.regex)) > MAX_REGEX_CHARS:
+        raise _over(param, f"the regex has {len(str(params.regex))} characters", MAX_REGEX_CHARS, "MAX_REGEX_CHARS")
+    if kind == "choice" and len(params.choice or ()) > MAX_ENUM_VALUES:
+        raise _over(param, f"choice lists {len(params.choice or ())} strings", MAX_ENUM_VALUES, "MAX_ENUM_VALUES")
+    if kind == "json":  # walked first: its depth is bounded before anything recurses into it
+        _check_schema_limits(params.json if isinstance(params.json, dict) else jsonlib.loads(str(params.json)), param)
+    if kind in ("json", "grammar", "choice") and len(params.source()) > MAX_SOURCE_CHARS:
+        raise _over(param, f"the {_NAMES[kind]} has {len(params.source())} characters", MAX_SOURCE_CHARS,
+                    "MAX_SOURCE_CHARS")
+
+
+def _check_schema_limits(schema: dict[str, Any], param: str) -> None:
+    """Walk the schema (iteratively: its depth is bounded here, not by Python's stack)."""
+    enums = properties = 0
+    stack: list[tuple[object, int]] = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise _over(param, f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} levels", MAX_SCHEMA_DEPTH,
+                        "MAX_SCHEMA_DEPTH")
+        if isinstance(node, list):
+            stack.extend((item, depth + 1) for item in node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        enum = node.get("enum")
+        enums += (len(enum) if isinstance(enum, list) else 0) + ("const" in node)
+        if enums > MAX_ENUM_VALUES:
+            raise _over(param, f"the JSON schema has more than {MAX_ENUM_VALUES} enum and const values",
+                        MAX_ENUM_VALUES, "MAX_ENUM_VALUES")
+        props = node.get("properties")
+        properties += len(props) if isinstance(props, dict) else 0
+        if properties > MAX_PROPERTIES:
+            raise _over(param, f"the JSON schema has more than {MAX_PROPERTIES} properties", MAX_PROPERTIES,
+                        "MAX_PROPERTIES")
+        pattern = node.get("pattern")
+        if isinstance(pattern, str) and len(pattern) > MAX_REGEX_CHARS:
+            raise _over(param, f"a pattern of the JSON schema has {len(pattern)} characters", MAX_REGEX_CHARS,
+                        "MAX_REGEX_CHARS")
+        stack.extend((value, depth + 1) for key, value in node.items() if key not in ("enum", "const"))
