@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 from loraplex.config import EngineConfig
 from loraplex.errors import LoraplexError
+from loraplex.server.openai.reasoning import REASONING_PARSERS
+from loraplex.server.openai.tool_parsers import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:
     from loraplex.client.base import EngineClient
@@ -135,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="processes that parse, template and tokenize requests (0: threads of the API process)")
     serve.add_argument("--in-process-engine", action="store_true",
                        help="run the step loop in a thread of the API process instead of its own process")
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS), metavar="NAME",
+                       help="the tool-call format of tool_choice auto, vLLM's names: " + ", ".join(sorted(TOOL_PARSERS))
+                            + " (default: detected from each adapter version's chat template, else hermes)")
+    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS), metavar="NAME",
+                       help="split chat output into reasoning_content and content, vLLM's names: "
+                            + ", ".join(sorted(REASONING_PARSERS)) + " (default: none)")
     gen = sub.add_parser("generate", help="print completions of PROMPT(s)")
     _engine_args(gen)
     gen.add_argument("--use", default=None, metavar="NAME", help="the adapter to generate with (default: base)")
@@ -211,7 +219,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                          allow_runtime_adapters=args.allow_runtime_adapters, adapter_roots=args.adapter_root,
                          api_key=args.api_key, api_keys=keys, load_on_demand=args.load_on_demand,
                          max_request_bytes=args.max_request_bytes,
-                         prepare_processes=args.prepare_workers, request_timeout=args.request_timeout or None)
+                         prepare_processes=args.prepare_workers, request_timeout=args.request_timeout or None,
+                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
         stats, adapters = asyncio.run(_describe(client))
         info = client.info
         logger.info("model %s (%s) dtype %s on %s; engine %s (pid %d)", info.model_name, info.model_path, info.dtype,

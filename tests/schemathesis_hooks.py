@@ -1,7 +1,8 @@
 """Schemathesis hooks for ``test_openapi.py``: positive cases skip bodies that break a cross-field rule JSON
 Schema cannot state (each documented in the field's description and in docs/server.md, each answered with a
 400 naming the field, tested in ``test_server_errors.py``): the prompt plus ``max_tokens`` must fit the
-context, ``top_logprobs`` needs ``logprobs: true``, and a structured-output or tool constraint must be one,
+context, ``top_logprobs`` needs ``logprobs: true``, ``reasoning_effort`` needs a chat template that reads
+it, and a structured-output or tool constraint must be one,
 valid (a schema, regex or grammar that compiles; a tool_choice naming a tool) and not combined with
 ``ignore_eos`` / ``min_tokens`` (checked with the server's own request models). Prompts are counted
 exactly, with the served model's tokenizer and the server's own chat rendering (``LORAPLEX_TEST_MODEL``,
@@ -62,6 +63,13 @@ def _bad_constraint(body: dict) -> bool:
     return False
 
 
+def _unread_effort(body: dict) -> bool:
+    """A ``reasoning_effort`` the model's chat template does not read: 400 (as OpenAI, for models that do not
+    reason)."""
+    return body.get("reasoning_effort") not in (None, "none") and "reasoning_effort" not in (
+        _tokenizer().chat_template or "")
+
+
 @schemathesis.hook
 def filter_body(ctx: schemathesis.HookContext, body: object) -> bool:
     operation = ctx.operation.path if ctx.operation is not None else ""
@@ -74,6 +82,8 @@ def filter_body(ctx: schemathesis.HookContext, body: object) -> bool:
     if not isinstance(limit, int) or isinstance(limit, bool):
         return True  # a type error: schema-invalid anyway
     if body.get("top_logprobs") and body.get("logprobs") is not True:
+        return False
+    if _unread_effort(body):
         return False
     if _bad_constraint(body):
         return False
@@ -89,4 +99,4 @@ def filter_case(ctx: schemathesis.HookContext, case: Any) -> bool:
     negative = meta is not None and getattr(meta.generation.mode, "value", "") == "negative"
     if negative or not operation.endswith("completions") or not isinstance(case.body, dict):
         return True
-    return not _bad_constraint(case.body)
+    return not _bad_constraint(case.body) and not _unread_effort(case.body)

@@ -2,7 +2,7 @@
 (``ServerContext``), the middlewares, and the routers by concept:
 
 - ``routes/generate.py``: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamable);
-- ``routes/models.py``: ``GET /v1/models``;
+- ``routes/models.py``: ``GET /v1/models``, ``GET /v1/models/{id}``;
 - ``routes/adapters.py``: adapter management and versions;
 - ``routes/tokenize.py``: ``POST /tokenize``, ``POST /detokenize``;
 - ``routes/ops.py``: ``GET /health``, ``GET /metrics``;
@@ -42,6 +42,8 @@ from loraplex.server.on_demand import AdapterRoots, OnDemandLoader
 from loraplex.server.openai.errors import install_error_handlers
 from loraplex.server.openai.openapi import install_openapi
 from loraplex.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from loraplex.server.openai.reasoning import REASONING_PARSERS
+from loraplex.server.openai.tool_parsers import PARSERS
 from loraplex.server.prepare.preparer import PrepareConfig, RequestPreparer
 from loraplex.server.routes import adapters, generate, models, ops, tokenize
 from loraplex.server.routes.playground import mount_playground
@@ -64,6 +66,7 @@ def create_app(
     max_request_bytes: int | None = None,
     prepare_processes: int = 0,
     request_timeout: float | None = None,
+    tool_call_parser: str | None = None, reasoning_parser: str | None = None,
 ) -> FastAPI:
     """An app serving ``engine``: an ``EngineClient`` (a started ``EngineProcess``, an ``AsyncEngine``),
     an ``Engine`` or an ``LLM`` (both served in-process).
@@ -75,8 +78,9 @@ def create_app(
     ``max_request_bytes`` bounds request bodies (default: ``default_max_request_bytes``, sized for the
     model's context). ``prepare_processes`` > 0 prepares requests in that many worker processes
     instead of two threads (see ``loraplex.server.prepare``). ``request_timeout``: seconds a generation
-    request may run before it is stopped (504); ``app.state.lifecycle`` drains the app on shutdown.
-    """
+    request may run before it is stopped (504); ``app.state.lifecycle`` drains the app on shutdown. Parsers:
+    ``_check_parsers``."""
+    _check_parsers(tool_call_parser, reasoning_parser)
     client = engine if isinstance(engine, EngineClient) else AsyncEngine(getattr(engine, "engine", engine))
     if load_on_demand and not adapter_roots:
         raise ValueError("load_on_demand needs at least one adapter root")
@@ -104,11 +108,22 @@ def create_app(
     app.state.engine = client
     app.state.metrics = ctx.metrics
     app.state.on_demand = ctx.on_demand
+    app.state.tool_call_parser, app.state.reasoning_parser = tool_call_parser, reasoning_parser
     mount_playground(app, client.adapter_snapshot, runtime_adapters=ctx.policy.enabled,
                      may_view=lambda request: caller(request).adapters == ("*",))
     for routes in (ops, models, generate, tokenize, adapters):
         app.include_router(routes.router)
     return app
+
+
+def _check_parsers(tool_call_parser: str | None, reasoning_parser: str | None) -> None:
+    """``tool_call_parser``: the tool-call format of ``tool_choice: "auto"`` (``openai.tool_parsers.PARSERS``;
+    default: each version's chat template decides); ``reasoning_parser``: how chat text splits into
+    ``reasoning_content`` and ``content`` (``openai.reasoning.REASONING_PARSERS``; default: it does not)."""
+    for name, known, what in ((tool_call_parser, PARSERS, "tool call"), (reasoning_parser, REASONING_PARSERS,
+                                                                         "reasoning")):
+        if name is not None and name not in known:
+            raise ValueError(f"unknown {what} parser {name!r}; choose one of {sorted(known)}")
 
 
 def _add_middlewares(app: FastAPI, ctx: ServerContext, max_request_bytes: int) -> None:
