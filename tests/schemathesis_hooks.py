@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 
 from loraplex.errors import RequestError
 from loraplex.server.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, render_chat
+from loraplex.server.openai.responses_api.request import ResponsesRequest
 
 MAX_MODEL_LEN = int(os.environ.get("LORAPLEX_TEST_MAX_MODEL_LEN", "64"))
 
@@ -70,10 +71,24 @@ def _unread_effort(body: dict) -> bool:
         _tokenizer().chat_template or "")
 
 
+def _as_chat(body: dict) -> dict | None:
+    """A ``/v1/responses`` body as the chat body it runs as; None when it breaks a cross-field rule of its own
+    (an input message without a role, a json_schema format without a schema, ...: 400s naming the field)."""
+    try:
+        return ResponsesRequest.model_validate(body).chat_body([])
+    except (ValueError, TypeError, RequestError):
+        return None
+
+
 @schemathesis.hook
 def filter_body(ctx: schemathesis.HookContext, body: object) -> bool:
     operation = ctx.operation.path if ctx.operation is not None else ""
-    if not operation.endswith("completions") or not isinstance(body, dict):
+    if operation == "/v1/responses" and isinstance(body, dict):
+        chat = _as_chat(body)
+        if chat is None:
+            return False
+        body = chat
+    elif not operation.endswith("completions") or not isinstance(body, dict):
         return True  # only generation has cross-field rules
     limit = body.get("max_completion_tokens")
     limit = body.get("max_tokens") if limit is None else limit
@@ -97,6 +112,7 @@ def filter_case(ctx: schemathesis.HookContext, case: Any) -> bool:
     operation = ctx.operation.path if ctx.operation is not None else ""
     meta = getattr(case, "meta", None)
     negative = meta is not None and getattr(meta.generation.mode, "value", "") == "negative"
-    if negative or not operation.endswith("completions") or not isinstance(case.body, dict):
+    if negative or not operation.endswith(("completions", "/v1/responses")) or not isinstance(case.body, dict):
         return True
-    return not _bad_constraint(case.body) and not _unread_effort(case.body)
+    body = _as_chat(case.body) if operation == "/v1/responses" else case.body
+    return body is not None and not _bad_constraint(body) and not _unread_effort(body)

@@ -3,6 +3,7 @@
 
 - ``routes/generate.py``: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamable);
 - ``routes/models.py``: ``GET /v1/models``, ``GET /v1/models/{id}``;
+- ``routes/responses.py``: ``POST /v1/responses`` (streamable), ``GET``/``DELETE /v1/responses/{id}``;
 - ``routes/adapters.py``: adapter management and versions;
 - ``routes/tokenize.py``: ``POST /tokenize``, ``POST /detokenize``;
 - ``routes/ops.py``: ``GET /health``, ``GET /metrics``;
@@ -43,15 +44,19 @@ from loraplex.server.openai.errors import install_error_handlers
 from loraplex.server.openai.openapi import install_openapi
 from loraplex.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from loraplex.server.openai.reasoning import REASONING_PARSERS
+from loraplex.server.openai.responses_api.request import ResponsesRequest
 from loraplex.server.openai.tool_parsers import PARSERS
 from loraplex.server.prepare.preparer import PrepareConfig, RequestPreparer
-from loraplex.server.routes import adapters, generate, models, ops, tokenize
+from loraplex.server.routes import adapters, generate, models, ops, responses, tokenize
 from loraplex.server.routes.playground import mount_playground
 from loraplex.server.tenancy.access import AdapterPathPolicy, BearerAuthMiddleware, caller
 from loraplex.server.tenancy.keys import KeyTable
 from loraplex.server.tenancy.quotas import TenantQuotas
 
 API_KEY_ENV = "LORAPLEX_API_KEY"
+# the POST bodies routes read by hand (parsed off the event loop), put back into the OpenAPI schema
+READ_BY_HAND = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                "/v1/responses": ResponsesRequest}
 
 
 def create_app(
@@ -101,7 +106,7 @@ def create_app(
     app = FastAPI(title="loraplex", lifespan=partial(_lifespan, ctx))
     install_error_handlers(app)
     install_openapi(app, max_model_len=client.max_model_len, auth=keys is not None, served=partial(_served_models, ctx),
-                    bodies={"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
+                    bodies=READ_BY_HAND)
     _add_middlewares(app, ctx, max_request_bytes or default_max_request_bytes(client.max_model_len))
     app.state.context = ctx
     app.state.lifecycle = ctx.lifecycle
@@ -111,7 +116,7 @@ def create_app(
     app.state.tool_call_parser, app.state.reasoning_parser = tool_call_parser, reasoning_parser
     mount_playground(app, client.adapter_snapshot, runtime_adapters=ctx.policy.enabled,
                      may_view=lambda request: caller(request).adapters == ("*",))
-    for routes in (ops, models, generate, tokenize, adapters):
+    for routes in (ops, models, generate, responses, tokenize, adapters):
         app.include_router(routes.router)
     return app
 
