@@ -18,7 +18,7 @@ import schemathesis
 from transformers import AutoTokenizer
 
 from loraplex.errors import RequestError
-from loraplex.server.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, render_chat
+from loraplex.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from loraplex.server.openai.responses_api.request import ResponsesRequest
 
 MAX_MODEL_LEN = int(os.environ.get("LORAPLEX_TEST_MAX_MODEL_LEN", "64"))
@@ -33,9 +33,8 @@ def _prompt_tokens(body: dict) -> int | None:
     """The prompt's tokens as the server counts them (the longest prompt of a list); None when the prompt
     is invalid anyway (the server answers 400 whatever the limit)."""
     if "messages" in body:
-        try:
-            messages = [ChatMessage.model_validate(m).template_message() for m in body["messages"]]
-            return len(render_chat(_tokenizer(), messages))
+        try:  # with the tools in the system prompt when the template does not render them
+            return len(ChatCompletionRequest.model_validate(body).prompt_ids(_tokenizer()))
         except (ValueError, TypeError, RequestError):  # pydantic's ValidationError is a ValueError
             return None
     prompt = body.get("prompt")

@@ -172,3 +172,25 @@ def test_bad_tool_fields_are_400(server: Server, fields: dict, param: str) -> No
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
                    json={"model": BASE, "messages": MESSAGES, "max_tokens": 4, **fields})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_template_without_tools_gets_the_default_tool_prompt(server: Server, tiny_llama: Path) -> None:
+    """The tiny model's (SmolLM2's) template never reads ``tools``: they go into the system prompt, after
+    the default tool prompt or the request's ``tool_prompt``; the prompt equals HF's rendering of that."""
+    from loraplex.server.openai.tools import DEFAULT_TOOL_PROMPT
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    assert "tools" not in tokenizer.chat_template
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in TOOLS)
+
+    def hf_tokens(system: str) -> int:
+        rendered = tokenizer.apply_chat_template([{"role": "system", "content": system}, *MESSAGES],
+                                                 add_generation_prompt=True, return_dict=True)
+        return len(rendered["input_ids"])
+
+    client = server.client()
+    kw = dict(model=BASE, messages=MESSAGES, max_tokens=1, tool_choice="none")
+    with_tools = client.chat.completions.create(**kw, tools=TOOLS).usage.prompt_tokens
+    assert with_tools == hf_tokens(f"{DEFAULT_TOOL_PROMPT}\n{listed}")
+    custom = client.chat.completions.create(**kw, tools=TOOLS, extra_body={"tool_prompt": "Tools:"})
+    assert custom.usage.prompt_tokens == hf_tokens(f"Tools:\n{listed}") < with_tools

@@ -63,7 +63,7 @@ def not_implemented(method: str, path: str) -> JSONResponse:
     """The 404 of an endpoint loraplex does not serve (OpenAI's body; ``code`` a string, as OpenAI's)."""
     message = (f"{method} {path} is not implemented by loraplex: it serves no such endpoint "
                "(see /openapi.json for the endpoints it serves)")
-    return JSONResponse(error_body(message, "invalid_request_error", None, NOT_IMPLEMENTED), status_code=404)
+    return JSONResponse(error_body(message, "not_found_error", None, NOT_IMPLEMENTED), status_code=404)
 
 
 def loraplex_error_response(exc: LoraplexError) -> JSONResponse:

@@ -252,8 +252,9 @@ class ChatCompletionRequest(ToolFields, _SamplingFields):
 
     def prompt_text(self, tokenizer: Any) -> str:
         """The messages rendered with the tokenizer's chat template (see ``chat_text``)."""
-        return chat_text(tokenizer, [m.template_message() for m in self.messages], self.template_tools(),
-                         self.template_kwargs(tokenizer))
+        conversation = self.with_tool_prompt([m.template_message() for m in self.messages],
+                                             getattr(tokenizer, "chat_template", None))
+        return chat_text(tokenizer, conversation, self.template_tools(), self.template_kwargs(tokenizer))
 
     def prompt_ids(self, tokenizer: Any) -> list[int]:
         return list(tokenizer(self.prompt_text(tokenizer), add_special_tokens=False)["input_ids"])

@@ -27,6 +27,11 @@ from loraplex.server.openai.structured import _Part
 from loraplex.server.openai.tool_parsers import REQUIRED, NamedParser, ToolParser
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# For a chat template that cannot render tools (it never reads ``tools``): the tools go into the system
+# prompt with this text before them (the request's ``tool_prompt`` replaces it, as LoRAX's), in the format
+# the default (Hermes) parser reads.
+DEFAULT_TOOL_PROMPT = ("You can call these functions. To call one, reply with <tool_call>{\"name\": <function "
+                       "name>, \"arguments\": <arguments object>}</tool_call>. The functions:")
 
 
 class FunctionDefinition(_Part):
@@ -85,6 +90,7 @@ class ToolFields(BaseModel):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    tool_prompt: str | None = None  # replaces DEFAULT_TOOL_PROMPT (for templates that cannot render tools)
 
     @model_validator(mode="after")
     def _choice_names_a_tool(self) -> ToolFields:
@@ -104,6 +110,18 @@ class ToolFields(BaseModel):
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as chat templates take them (OpenAI's shape)."""
         return [t.model_dump(by_alias=True, exclude_none=True) for t in self.tools] if self.tools else None
+
+    def with_tool_prompt(self, conversation: list[dict[str, Any]], chat_template: str | None) -> list[dict[str, Any]]:
+        """``conversation`` with the tools in its system prompt when the template does not render them itself."""
+        tools = self.template_tools()
+        if not tools or "tools" in (chat_template or ""):
+            return conversation
+        listed = (json.dumps(t, ensure_ascii=False) for t in tools)
+        prompt = "\n".join([self.tool_prompt or DEFAULT_TOOL_PROMPT, *listed])
+        if conversation and conversation[0]["role"] == "system":
+            first = conversation[0]
+            return [{**first, "content": f"{first['content']}\n\n{prompt}"}, *conversation[1:]]
+        return [{"role": "system", "content": prompt}, *conversation]
 
     def tool_constraint(self) -> StructuredOutputsParams | None:
         """The constraint ``"required"`` or a named choice puts on the output (None otherwise)."""
