@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 from loraplex.config import EngineConfig
 from loraplex.errors import LoraplexError
+from loraplex.server.openai.reasoning import REASONING_PARSERS
+from loraplex.server.openai.tool_parsers import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -180,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--in-process-engine", action="store_true",
                        help="run the step loop in a thread of the API process instead of its own process")
     _connection_args(serve)
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS), metavar="NAME",
+                       help="the tool-call format of tool_choice auto, vLLM's names: " + ", ".join(sorted(TOOL_PARSERS))
+                            + " (default: detected from each adapter version's chat template, else hermes)")
+    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS), metavar="NAME",
+                       help="split chat output into reasoning_content and content, vLLM's names: "
+                            + ", ".join(sorted(REASONING_PARSERS)) + " (default: none)")
     gen = sub.add_parser("generate", help="print completions of PROMPT(s)")
     _engine_args(gen)
     gen.add_argument("--use", default=None, metavar="NAME", help="the adapter to generate with (default: base)")
@@ -255,7 +263,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                          api_key=args.api_key, api_keys=keys, load_on_demand=args.load_on_demand,
                          max_request_bytes=args.max_request_bytes,
                          preparer=preparer, request_timeout=args.request_timeout or None,
-                         stall_timeout=args.stall_timeout)
+                         stall_timeout=args.stall_timeout, tool_call_parser=args.tool_call_parser,
+                         reasoning_parser=args.reasoning_parser)
         _pin(client, args.pin_adapter, parser)
         stats, adapters = asyncio.run(_describe(client))
         info = client.info

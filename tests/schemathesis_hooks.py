@@ -1,7 +1,8 @@
 """Schemathesis hooks for ``test_openapi.py``: positive cases skip bodies that break a cross-field rule JSON
 Schema cannot state (each documented in the field's description and in docs/server.md, each answered with a
 400 naming the field, tested in ``test_server_errors.py``): the prompt plus ``max_tokens`` must fit the
-context, ``top_logprobs`` needs ``logprobs: true``, and a structured-output or tool constraint must be one,
+context, ``top_logprobs`` needs ``logprobs: true``, ``reasoning_effort`` needs a chat template that reads
+it, and a structured-output or tool constraint must be one,
 valid (a schema, regex or grammar that compiles; a tool_choice naming a tool) and not combined with
 ``ignore_eos`` / ``min_tokens`` (checked with the server's own request models). Prompts are counted
 exactly, with the served model's tokenizer and the server's own chat rendering (``LORAPLEX_TEST_MODEL``,
@@ -17,7 +18,8 @@ import schemathesis
 from transformers import AutoTokenizer
 
 from loraplex.errors import RequestError
-from loraplex.server.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, render_chat
+from loraplex.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from loraplex.server.openai.responses_api.request import ResponsesRequest
 
 MAX_MODEL_LEN = int(os.environ.get("LORAPLEX_TEST_MAX_MODEL_LEN", "64"))
 
@@ -31,9 +33,8 @@ def _prompt_tokens(body: dict) -> int | None:
     """The prompt's tokens as the server counts them (the longest prompt of a list); None when the prompt
     is invalid anyway (the server answers 400 whatever the limit)."""
     if "messages" in body:
-        try:
-            messages = [ChatMessage.model_validate(m).template_message() for m in body["messages"]]
-            return len(render_chat(_tokenizer(), messages))
+        try:  # with the tools in the system prompt when the template does not render them
+            return len(ChatCompletionRequest.model_validate(body).prompt_ids(_tokenizer()))
         except (ValueError, TypeError, RequestError):  # pydantic's ValidationError is a ValueError
             return None
     prompt = body.get("prompt")
@@ -62,10 +63,31 @@ def _bad_constraint(body: dict) -> bool:
     return False
 
 
+def _unread_effort(body: dict) -> bool:
+    """A ``reasoning_effort`` the model's chat template does not read: 400 (as OpenAI, for models that do not
+    reason)."""
+    return body.get("reasoning_effort") not in (None, "none") and "reasoning_effort" not in (
+        _tokenizer().chat_template or "")
+
+
+def _as_chat(body: dict) -> dict | None:
+    """A ``/v1/responses`` body as the chat body it runs as; None when it breaks a cross-field rule of its own
+    (an input message without a role, a json_schema format without a schema, ...: 400s naming the field)."""
+    try:
+        return ResponsesRequest.model_validate(body).chat_body([])
+    except (ValueError, TypeError, RequestError):
+        return None
+
+
 @schemathesis.hook
 def filter_body(ctx: schemathesis.HookContext, body: object) -> bool:
     operation = ctx.operation.path if ctx.operation is not None else ""
-    if not operation.endswith("completions") or not isinstance(body, dict):
+    if operation == "/v1/responses" and isinstance(body, dict):
+        chat = _as_chat(body)
+        if chat is None:
+            return False
+        body = chat
+    elif not operation.endswith("completions") or not isinstance(body, dict):
         return True  # only generation has cross-field rules
     limit = body.get("max_completion_tokens")
     limit = body.get("max_tokens") if limit is None else limit
@@ -74,6 +96,8 @@ def filter_body(ctx: schemathesis.HookContext, body: object) -> bool:
     if not isinstance(limit, int) or isinstance(limit, bool):
         return True  # a type error: schema-invalid anyway
     if body.get("top_logprobs") and body.get("logprobs") is not True:
+        return False
+    if _unread_effort(body):
         return False
     if _bad_constraint(body):
         return False
@@ -89,9 +113,10 @@ def filter_case(ctx: schemathesis.HookContext, case: Any) -> bool:
     negative = meta is not None and getattr(meta.generation.mode, "value", "") == "negative"
     if operation == "/v1/adapters/{name}" and case.method.upper() == "PUT":
         return negative or case.body == _adapter_upload()  # see map_body
-    if negative or not operation.endswith("completions") or not isinstance(case.body, dict):
+    if negative or not operation.endswith(("completions", "/v1/responses")) or not isinstance(case.body, dict):
         return True
-    return not _bad_constraint(case.body)
+    body = _as_chat(case.body) if operation == "/v1/responses" else case.body
+    return body is not None and not _bad_constraint(body) and not _unread_effort(body)
 
 
 @functools.cache

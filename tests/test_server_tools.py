@@ -6,6 +6,7 @@ assistant ``tool_calls`` and ``tool`` messages round-trip through a chat templat
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from loraplex.server.openai.protocol import ChatCompletionRequest
-from loraplex.server.openai.tool_parsers import parse_hermes
+from loraplex.server.openai.tool_parsers import PARSERS
 from tests.server_harness import BASE, Server, tiny_server
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
@@ -46,10 +47,13 @@ def check_calls(calls: list, names: set[str]) -> None:
 def test_required_and_named_tool_choice(server: Server, model: str) -> None:
     client = server.client()
     required = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                                              max_tokens=200, temperature=0)
+                                              max_tokens=200, temperature=0, parallel_tool_calls=False)
     choice = required.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     check_calls(choice.message.tool_calls, set(SCHEMA_OF))
+    for call in choice.message.tool_calls:  # compact JSON: outside strings, no whitespace but one space
+        outside = re.sub(r'"(?:[^"\\]|\\.)*"', '""', call.function.arguments)
+        assert not re.search(r"\s\s|[\n\t\r]", outside), call.function.arguments
     named = client.chat.completions.create(
         model=model, messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0.8, seed=3, n=2,
         tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False)
@@ -59,15 +63,42 @@ def test_required_and_named_tool_choice(server: Server, model: str) -> None:
 
 
 def test_streamed_tool_calls_equal_the_whole_response(server: Server) -> None:
+    """Streamed as vLLM sends them: per call a first delta with id, type and name, then argument fragments
+    that add up to the whole response's arguments."""
     client = server.client()
-    kw = dict(model="r8_all", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=200, temperature=0)
+    kw = dict(model="r8_all", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=200, temperature=0,
+              parallel_tool_calls=False)
     whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
     chunks = list(client.chat.completions.create(**kw, stream=True))
     deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
-    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
-        (i, c.function.name, c.function.arguments) for i, c in enumerate(whole)]
-    assert all(d.id.startswith("call_") for d in deltas)
+    firsts = [d for d in deltas if d.id is not None]
+    assert [(d.index, d.type, d.function.name, d.function.arguments) for d in firsts] == [
+        (i, "function", c.function.name, "") for i, c in enumerate(whole)]
+    assert all(d.id.startswith("call_") for d in firsts)
+    fragments = [d for d in deltas if d.id is None]
+    assert len(fragments) > 1 and all(d.function.name is None for d in fragments)  # arguments as generated
+    assert ["".join(d.function.arguments for d in fragments if d.index == i) for i in range(len(whole))] == [
+        c.function.arguments for c in whole]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_forced_call_cut_by_max_tokens_is_the_partial_call(server: Server) -> None:
+    client = server.client()
+    for stream in (False, True):
+        kw = dict(model=BASE, messages=MESSAGES, tools=TOOLS, max_tokens=6, temperature=0, stream=stream,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        if not stream:
+            choice = client.chat.completions.create(**kw).choices[0]
+            [call] = choice.message.tool_calls
+            assert (choice.finish_reason, choice.message.content, call.function.name) == ("length", None, "get_weather")
+            partial = call.function.arguments
+            assert partial.startswith("{") and partial
+            continue
+        chunks = [c for c in client.chat.completions.create(**kw) if c.choices]
+        deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+        assert deltas[0].function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "length"
+        assert "".join(d.function.arguments or "" for d in deltas) == partial
+        assert not any(c.choices[0].delta.content for c in chunks)
 
 
 def test_auto_parses_hermes_tool_calls(server: Server) -> None:
@@ -84,6 +115,10 @@ def test_auto_parses_hermes_tool_calls(server: Server) -> None:
     free = server.client().chat.completions.create(model=BASE, messages=MESSAGES, tools=TOOLS, max_tokens=8,
                                                    temperature=0)
     assert free.choices[0].message.tool_calls is None and free.choices[0].finish_reason == "length"
+
+
+def parse_hermes(text: str) -> tuple:
+    return PARSERS["hermes"].scan(text).parsed(text)
 
 
 def test_hermes_parser() -> None:
@@ -137,3 +172,25 @@ def test_bad_tool_fields_are_400(server: Server, fields: dict, param: str) -> No
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
                    json={"model": BASE, "messages": MESSAGES, "max_tokens": 4, **fields})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_template_without_tools_gets_the_default_tool_prompt(server: Server, tiny_llama: Path) -> None:
+    """The tiny model's (SmolLM2's) template never reads ``tools``: they go into the system prompt, after
+    the default tool prompt or the request's ``tool_prompt``; the prompt equals HF's rendering of that."""
+    from loraplex.server.openai.tools import DEFAULT_TOOL_PROMPT
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    assert "tools" not in tokenizer.chat_template
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in TOOLS)
+
+    def hf_tokens(system: str) -> int:
+        rendered = tokenizer.apply_chat_template([{"role": "system", "content": system}, *MESSAGES],
+                                                 add_generation_prompt=True, return_dict=True)
+        return len(rendered["input_ids"])
+
+    client = server.client()
+    kw = dict(model=BASE, messages=MESSAGES, max_tokens=1, tool_choice="none")
+    with_tools = client.chat.completions.create(**kw, tools=TOOLS).usage.prompt_tokens
+    assert with_tools == hf_tokens(f"{DEFAULT_TOOL_PROMPT}\n{listed}")
+    custom = client.chat.completions.create(**kw, tools=TOOLS, extra_body={"tool_prompt": "Tools:"})
+    assert custom.usage.prompt_tokens == hf_tokens(f"Tools:\n{listed}") < with_tools

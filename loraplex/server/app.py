@@ -2,7 +2,8 @@
 (``ServerContext``), the middlewares, and the routers by concept:
 
 - ``routes/generate.py``: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamable);
-- ``routes/models.py``: ``GET /v1/models``;
+- ``routes/models.py``: ``GET /v1/models``, ``GET /v1/models/{id}``;
+- ``routes/responses.py``: ``POST /v1/responses`` (streamable), ``GET``/``DELETE /v1/responses/{id}``;
 - ``routes/adapters.py``: adapter management and versions;
 - ``routes/tokenize.py``: ``POST /tokenize``, ``POST /detokenize``;
 - ``routes/ops.py``: ``GET /health``, ``GET /metrics``;
@@ -42,8 +43,11 @@ from loraplex.server.on_demand import AdapterRoots, OnDemandLoader
 from loraplex.server.openai.errors import install_error_handlers
 from loraplex.server.openai.openapi import install_openapi
 from loraplex.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from loraplex.server.openai.reasoning import REASONING_PARSERS
+from loraplex.server.openai.responses_api.request import ResponsesRequest
+from loraplex.server.openai.tool_parsers import PARSERS
 from loraplex.server.prepare.preparer import PrepareConfig, RequestPreparer
-from loraplex.server.routes import adapters, generate, models, ops, tokenize
+from loraplex.server.routes import adapters, generate, models, ops, responses, tokenize
 from loraplex.server.routes.ops import DEFAULT_STALL_TIMEOUT_S
 from loraplex.server.routes.playground import mount_playground
 from loraplex.server.tenancy.access import AdapterPathPolicy, BearerAuthMiddleware, caller
@@ -51,6 +55,9 @@ from loraplex.server.tenancy.keys import KeyTable
 from loraplex.server.tenancy.quotas import TenantQuotas
 
 API_KEY_ENV = "LORAPLEX_API_KEY"
+# the POST bodies routes read by hand (parsed off the event loop), put back into the OpenAPI schema
+READ_BY_HAND = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                "/v1/responses": ResponsesRequest}
 
 
 def create_app(
@@ -67,6 +74,7 @@ def create_app(
     preparer: RequestPreparer | None = None,
     request_timeout: float | None = None,
     stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
+    tool_call_parser: str | None = None, reasoning_parser: str | None = None,
 ) -> FastAPI:
     """An app serving ``engine``: an ``EngineClient`` (a started ``EngineProcess``, an ``AsyncEngine``),
     an ``Engine`` or an ``LLM`` (both served in-process).
@@ -82,7 +90,8 @@ def create_app(
     is configured here, and ``prepare_processes`` is then ignored). ``request_timeout``: seconds a generation
     request may run before it is stopped (504); ``app.state.lifecycle`` drains the app on shutdown.
     ``stall_timeout``: seconds with requests open and no engine step before ``/health`` says ``stalled``.
-    """
+    Parsers: ``_check_parsers``."""
+    _check_parsers(tool_call_parser, reasoning_parser)
     client = engine if isinstance(engine, EngineClient) else AsyncEngine(getattr(engine, "engine", engine))
     if load_on_demand and not adapter_roots:
         raise ValueError("load_on_demand needs at least one adapter root")
@@ -102,24 +111,40 @@ def create_app(
     app = FastAPI(title="loraplex", lifespan=partial(_lifespan, ctx))
     install_error_handlers(app)
     install_openapi(app, max_model_len=client.max_model_len, auth=keys is not None, served=partial(_served_models, ctx),
-                    bodies={"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
+                    bodies=READ_BY_HAND)
     _add_middlewares(app, ctx, max_request_bytes or default_max_request_bytes(client.max_model_len))
+    app.state.tool_call_parser, app.state.reasoning_parser = tool_call_parser, reasoning_parser
+    _install_routes(app, ctx)
+    return app
+
+
+def _install_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """What the handlers read from ``app.state`` (``context`` first), the playground and every router."""
     app.state.context = ctx
     app.state.lifecycle = ctx.lifecycle
-    app.state.engine = client
+    app.state.engine = ctx.client
     app.state.metrics = ctx.metrics
     app.state.on_demand = ctx.on_demand
-    mount_playground(app, client.adapter_snapshot, runtime_adapters=ctx.policy.enabled,
+    mount_playground(app, ctx.client.adapter_snapshot, runtime_adapters=ctx.policy.enabled,
                      may_view=lambda request: caller(request).adapters == ("*",))
-    for routes in (ops, models, generate, tokenize, adapters):
+    for routes in (ops, models, generate, responses, tokenize, adapters):
         app.include_router(routes.router)
-    return app
 
 
 def _configured(preparer: RequestPreparer, client: EngineClient) -> RequestPreparer:
     preparer.configure(PrepareConfig(str(client.model_path) if client.tokenizer is not None else None,
                                      client.max_model_len), client.tokenizer)
     return preparer
+
+
+def _check_parsers(tool_call_parser: str | None, reasoning_parser: str | None) -> None:
+    """``tool_call_parser``: the tool-call format of ``tool_choice: "auto"`` (``openai.tool_parsers.PARSERS``;
+    default: each version's chat template decides); ``reasoning_parser``: how chat text splits into
+    ``reasoning_content`` and ``content`` (``openai.reasoning.REASONING_PARSERS``; default: it does not)."""
+    for name, known, what in ((tool_call_parser, PARSERS, "tool call"), (reasoning_parser, REASONING_PARSERS,
+                                                                         "reasoning")):
+        if name is not None and name not in known:
+            raise ValueError(f"unknown {what} parser {name!r}; choose one of {sorted(known)}")
 
 
 def _add_middlewares(app: FastAPI, ctx: ServerContext, max_request_bytes: int) -> None:

@@ -222,7 +222,7 @@ class _Chunks:
             return None
         if builder.chat:
             choice = builder.chat_delta(index, out, self.sent_tokens[index], end, out.delta_text)
-            if choice is None:  # a tool-call choice: sent whole when it finishes
+            if choice is None:  # a tool-call choice with nothing to send yet
                 return None
         else:
             scored = self.latest.get(index - index % builder.n, out).prompt_logprobs
@@ -241,10 +241,8 @@ async def _events(streams: list[RequestStream], gen: Generation, metrics: Server
     builder, status = gen.builder, "abort"
     finals: dict[int, RequestOutput] = {}
     chunks = _Chunks(builder, len(streams))
+    roled: set[int] = set()  # chat choices whose role chunk is out: sent when its first token exists (as vLLM)
     try:
-        if builder.chat:
-            for index in range(len(streams)):
-                yield _sse(builder.role_chunk(index))
         async for index, out in _merged(streams):
             timing.saw(out)
             if out.finish_reason == "error":
@@ -252,6 +250,9 @@ async def _events(streams: list[RequestStream], gen: Generation, metrics: Server
                 status = "error"
                 yield _sse(loraplex_error_event(out.error or LoraplexError("generation failed")))
                 break
+            if builder.chat and index not in roled and (out.token_ids or out.finished):
+                roled.add(index)
+                yield _sse(builder.role_chunk(index))
             chunk = chunks.chunk(index, out)
             if chunk is not None:
                 yield _sse(chunk)

@@ -2,7 +2,9 @@
 
 loraplex errors carry their own ``http_status`` and ``error_type``; FastAPI's validation errors
 (wrong types, missing fields, malformed JSON) become 400 with the offending field in ``param``;
-an unexpected exception is logged and becomes a 500 that reveals nothing but its class name.
+an unexpected exception is logged and becomes a 500 that reveals nothing but its class name; a path no
+route serves is a 404 saying loraplex does not implement that endpoint (``code``
+``"endpoint_not_implemented"``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ _TYPE_BY_STATUS = {
 RETRY_AFTER_503_S = 1  # every 503 says when to come back (a cause that knows better sets its own)
 
 
+NOT_IMPLEMENTED = "endpoint_not_implemented"  # the ``code`` of an endpoint loraplex does not serve
+
+
 def error_body(message: str, error_type: str, param: str | None = None, code: int | str | None = None) -> dict:
     """OpenAI's error body."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
@@ -58,6 +63,13 @@ def error_response(status: int, message: str, param: str | None = None,
     if status == 503:
         response.headers["Retry-After"] = str(RETRY_AFTER_503_S)
     return response
+
+
+def not_implemented(method: str, path: str) -> JSONResponse:
+    """The 404 of an endpoint loraplex does not serve (OpenAI's body; ``code`` a string, as OpenAI's)."""
+    message = (f"{method} {path} is not implemented by loraplex: it serves no such endpoint "
+               "(see /openapi.json for the endpoints it serves)")
+    return JSONResponse(error_body(message, "not_found_error", None, NOT_IMPLEMENTED), status_code=404)
 
 
 def loraplex_error_response(exc: LoraplexError) -> JSONResponse:
@@ -108,7 +120,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404 and exc.detail == HTTPStatus.NOT_FOUND.phrase:  # no route matched
+            return not_implemented(request.method, request.url.path)
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
         response = error_response(exc.status_code, message)
         response.headers.update(exc.headers or {})  # e.g. a 405's Allow

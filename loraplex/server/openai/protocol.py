@@ -193,12 +193,14 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[MessageToolCall] | None = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning, as a response gave it
 
     def template_message(self) -> dict[str, Any]:
         """The message as the chat template sees it (text parts joined, tool calls' arguments as mappings)."""
         content = self.content
         text = "".join(part.text for part in content) if isinstance(content, list) else content or ""
-        extra: dict[str, Any] = {k: v for k in ("name", "tool_call_id") if (v := getattr(self, k)) is not None}
+        extra: dict[str, Any] = {k: v for k in ("name", "tool_call_id", "reasoning_content")
+                                 if (v := getattr(self, k)) is not None}
         if self.tool_calls:
             extra["tool_calls"] = [call.template_call() for call in self.tool_calls]
         return {"role": self.role, "content": text, **extra}
@@ -213,6 +215,29 @@ class ChatCompletionRequest(ToolFields, _SamplingFields):
     logprobs: bool | None = False
     top_logprobs: Int | None = ranged(minimum=0, maximum=MAX_LOGPROBS)
     safety_identifier: str | None = None  # accepted and kept, as ``user``
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template (enable_thinking)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # for templates reading it
+
+    @model_validator(mode="after")
+    def _template_kwargs_are_free(self) -> ChatCompletionRequest:
+        taken = sorted(set(self.chat_template_kwargs or ()) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise RequestError(f"chat_template_kwargs may not set {', '.join(taken)}: loraplex sets it",
+                               "chat_template_kwargs")
+        return self
+
+    def template_kwargs(self, tokenizer: Any) -> dict[str, Any]:
+        """The chat template's extra variables: ``chat_template_kwargs``, and ``reasoning_effort`` for a template
+        that reads it (any other effort than "none" is a 400 for one that does not, as OpenAI answers for
+        models that do not reason)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            if "reasoning_effort" in (getattr(tokenizer, "chat_template", None) or ""):
+                kwargs["reasoning_effort"] = self.reasoning_effort
+            elif self.reasoning_effort != "none":
+                raise RequestError(f"reasoning_effort {self.reasoning_effort!r} is not supported with this model: "
+                                   "its chat template does not read reasoning_effort", "reasoning_effort")
+        return kwargs
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
@@ -238,22 +263,31 @@ class ChatCompletionRequest(ToolFields, _SamplingFields):
 
     def prompt_text(self, tokenizer: Any) -> str:
         """The messages rendered with the tokenizer's chat template (see ``chat_text``)."""
-        return chat_text(tokenizer, [m.template_message() for m in self.messages], self.template_tools())
+        conversation = self.with_tool_prompt([m.template_message() for m in self.messages],
+                                             getattr(tokenizer, "chat_template", None))
+        return chat_text(tokenizer, conversation, self.template_tools(), self.template_kwargs(tokenizer))
 
     def prompt_ids(self, tokenizer: Any) -> list[int]:
-        return render_chat(tokenizer, [m.template_message() for m in self.messages], self.template_tools())
+        return list(tokenizer(self.prompt_text(tokenizer), add_special_tokens=False)["input_ids"])
 
 
-def chat_text(tokenizer: Any, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-              ) -> str:
+# apply_chat_template's own arguments: chat_template_kwargs may not set them
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+                                "padding", "truncation", "max_length", "return_assistant_tokens_mask",
+                                "tokenizer_kwargs"})
+
+
+def chat_text(tokenizer: Any, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+              template_kwargs: dict[str, Any] | None = None) -> str:
     """Render messages with the tokenizer's chat template (``add_generation_prompt=True``). A model without
     a template, or messages its template refuses (e.g. roles that do not alternate), are a 400 on
-    ``messages``."""
+    ``messages``. ``template_kwargs``: more variables for the template (``chat_template_kwargs``)."""
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model has no chat template; use /v1/completions", "messages")
     try:
         return tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True,
-                                             tokenize=False)
+                                             tokenize=False, **(template_kwargs or {}))
     except Exception as exc:  # jinja2 TemplateError and the template's own raise_exception()
         raise RequestError(f"the chat template refused these messages: {exc}", "messages") from exc
 

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte <-> character table
 
 from loraplex.client.output import RequestOutput
 from loraplex.engine.request import TokenLogprob
-from loraplex.server.openai.tool_parsers import Parsed
+from loraplex.server.openai.chat_message import ChoiceStream, message_fields
+from loraplex.server.openai.reasoning import ReasoningParser
+from loraplex.server.openai.tool_parsers import ToolParser
 
 
 class TokenTexts:
@@ -49,14 +51,15 @@ def new_id(prefix: str) -> str:
 
 class ResponseBuilder:
     """Builds the bodies of one request's choices. ``prompt_texts[i]`` is prompt i's text (echoed when
-    ``echo``); ``n`` choices per prompt. ``tool_parser`` (chat with tools) turns a finished choice's text
-    into tool calls; such a choice is streamed as one delta when it finishes (its text is known only then)."""
+    ``echo``); ``n`` choices per prompt. ``tool_parser`` (chat with tools) reads each choice's tool calls and
+    ``reasoning_parser`` its reasoning, streamed as they are generated (``chat_message.py``)."""
 
     def __init__(self, chat: bool, model: str, tokens: TokenTexts, n: int = 1, echo: bool = False,
                  prompt_texts: Sequence[str] = (), show_prompt_logprobs: bool = False,
-                 tool_parser: Callable[[str], Parsed] | None = None) -> None:
+                 tool_parser: ToolParser | None = None, reasoning_parser: ReasoningParser | None = None) -> None:
         self.chat, self.model, self.tokens, self.n, self.echo = chat, model, tokens, n, echo
-        self.tool_parser = tool_parser
+        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
+        self._streams: dict[int, ChoiceStream] = {}
         self.prompt_texts = list(prompt_texts)
         self.show_prompt_logprobs = show_prompt_logprobs
         self.id = new_id("chatcmpl" if chat else "cmpl")
@@ -112,27 +115,20 @@ class ResponseBuilder:
             choice["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_logprobs)
         return choice
 
-    def _message(self, out: RequestOutput, streamed: bool = False) -> tuple[dict[str, Any], str | None]:
-        """A finished chat choice's message fields and finish reason: its text, or its tool calls (each with
-        its ``index`` when ``streamed``) and ``"tool_calls"``."""
-        if self.tool_parser is None or out.finish_reason != "stop":
-            return {"content": out.text}, out.finish_reason
-        content, calls = self.tool_parser(out.text)
-        if not calls:
-            return {"content": out.text}, out.finish_reason
-        return {"content": content, "tool_calls": [c.body(i if streamed else None) for i, c in enumerate(calls)]
-                }, "tool_calls"
+    def _message(self, out: RequestOutput) -> tuple[dict[str, Any], str | None]:
+        """A finished chat choice's message fields and finish reason: its text, or its tool calls."""
+        return message_fields(out.text, out.finish_reason, self.tool_parser, self.reasoning_parser)
 
     def chat_delta(self, index: int, out: RequestOutput, start: int, end: int, text: str) -> dict | None:
-        """The chunk choice for tokens ``[start, end)`` and their ``text``; None while a tool-call choice is
-        held back (it goes out whole, parsed, when it finishes)."""
+        """The chunk choice for tokens ``[start, end)`` and their ``text``; with tools or reasoning, the deltas
+        known now (None while there is nothing to send)."""
         delta: dict[str, Any] = {"content": text} if text else {}
         finish_reason = None
-        if self.tool_parser is not None:
-            if not out.finished:
+        if self.tool_parser is not None or self.reasoning_parser is not None:
+            stream = self._streams.setdefault(index, ChoiceStream(self.tool_parser, self.reasoning_parser))
+            delta, finish_reason = stream.delta(out.text, out.finished, out.finish_reason)
+            if not delta and not out.finished:
                 return None
-            message, finish_reason = self._message(out, streamed=True)
-            delta = {k: v for k, v in message.items() if v}
         return {"index": index, "delta": delta,
                 "logprobs": self._chat_logprobs(out.token_ids[start:end], out.logprobs and out.logprobs[start:end]),
                 "finish_reason": finish_reason}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
@@ -86,6 +86,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
     tool_calls: list[ToolCallOut] | None = None  # with tools: finish_reason is then "tool_calls"
+    reasoning_content: str | None = None  # with --reasoning-parser: the model's thinking, kept out of content
 
 
 class ChatChoice(BaseModel):
@@ -161,6 +162,15 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """vLLM's ``GET /tokenizer_info``: the tokenizer's ``tokenizer_config.json`` fields (any), its class and
+    chat template."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+    chat_template: str | None = None
 
 
 class Health(BaseModel):

@@ -33,7 +33,6 @@ CHAT_UNIMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "metadata": ((None, {}), "stored completions are not implemented"),
     "store": ((None, False), "stored completions are not implemented"),
     "service_tier": ((None, "auto", "default"), "service tiers are not implemented"),
-    "reasoning_effort": ((None, "none"), "reasoning effort is not implemented"),
     "verbosity": ((None, "medium"), "verbosity is not implemented"),
     "web_search_options": ((None,), "web search is not implemented"),
     "prompt_cache_key": ((None, ""), "prompt cache keys are not implemented (prefix caching needs none)"),

@@ -19,8 +19,10 @@ from loraplex.server.context import context
 from loraplex.server.generation import Generation, run_generation
 from loraplex.server.openai.openapi import GENERATION_ERRORS, documented
 from loraplex.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from loraplex.server.openai.reasoning import REASONING_PARSERS
 from loraplex.server.openai.responses import ResponseBuilder
 from loraplex.server.openai.schemas import ChatCompletionResponse, CompletionResponse
+from loraplex.server.openai.tool_parsers import ToolParser, parser_for
 from loraplex.server.prepare.worker import Prepared
 from loraplex.server.tenancy.access import caller
 from loraplex.server.tenancy.quotas import Demand
@@ -46,6 +48,12 @@ def tenancy(request: Request, body: Any, prepared: Prepared, params: SamplingPar
     return {"tags": RequestTags(key.tenant, body.priority or 0), "on_end": lease.release}
 
 
+def auto_tool_parser(request: Request, version: Version) -> ToolParser:
+    """``tool_choice: "auto"``'s parser: ``--tool-call-parser``, else the format of the version's template."""
+    template = getattr(version.tokenizer, "chat_template", None)
+    return parser_for(getattr(request.app.state, "tool_call_parser", None), template)
+
+
 @router.post("/v1/completions", response_model=None,
              responses=documented(CompletionResponse, *GENERATION_ERRORS, stream=True))
 async def completions(request: Request) -> Response:
@@ -69,8 +77,13 @@ async def completions(request: Request) -> Response:
 @router.post("/v1/chat/completions", response_model=None,
              responses=documented(ChatCompletionResponse, *GENERATION_ERRORS, stream=True))
 async def chat_completions(request: Request) -> Response:
+    return await chat_response(request, await request.body())
+
+
+async def chat_response(request: Request, raw: bytes) -> Response:
+    """The chat completion of the body ``raw`` (``/v1/responses`` runs through here too)."""
     ctx = context(request)
-    parsed = await ctx.preparer.parse_chat(await request.body())
+    parsed = await ctx.preparer.parse_chat(raw)
     body: ChatCompletionRequest = parsed.body
     version: Version = await ctx.route(request, body.model)
     prepared = await ctx.preparer.chat(parsed, version)  # the version's own chat template
@@ -79,7 +92,8 @@ async def chat_completions(request: Request) -> Response:
     gen = Generation(
         builder=ResponseBuilder(chat=True, model=body.model, tokens=ctx.token_texts(version), n=params.n,
                                 show_prompt_logprobs=body.prompt_logprobs is not None,
-                                tool_parser=body.tool_parser()),
+                                tool_parser=body.tool_parser(auto_tool_parser(request, version)),
+                                reasoning_parser=REASONING_PARSERS.get(request.app.state.reasoning_parser or "")),
         prompts=[prompt_ids], params=params, version=version, stream=bool(body.stream),
         include_usage=body.include_usage, field_of=body.field_of, user=body.user or body.safety_identifier,
         **tenancy(request, body, prepared, params),
