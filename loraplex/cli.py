@@ -138,6 +138,16 @@ def _connection_args(serve: argparse.ArgumentParser) -> None:
                             "for this long (default: %(default)g)")
 
 
+def _parser_args(serve: argparse.ArgumentParser) -> None:
+    """How chat output is read: tool calls and reasoning (``server/openai/tool_parsers``, ``reasoning``)."""
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS), metavar="NAME",
+                       help="the tool-call format of tool_choice auto, vLLM's names: " + ", ".join(sorted(TOOL_PARSERS))
+                            + " (default: detected from each adapter version's chat template, else hermes)")
+    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS), metavar="NAME",
+                       help="split chat output into reasoning_content and content, vLLM's names: "
+                            + ", ".join(sorted(REASONING_PARSERS)) + " (default: none)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from loraplex.server.draining import DEFAULT_SHUTDOWN_TIMEOUT_S
     from loraplex.server.limits import BYTES_PER_CONTEXT_TOKEN
@@ -182,12 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--in-process-engine", action="store_true",
                        help="run the step loop in a thread of the API process instead of its own process")
     _connection_args(serve)
-    serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS), metavar="NAME",
-                       help="the tool-call format of tool_choice auto, vLLM's names: " + ", ".join(sorted(TOOL_PARSERS))
-                            + " (default: detected from each adapter version's chat template, else hermes)")
-    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS), metavar="NAME",
-                       help="split chat output into reasoning_content and content, vLLM's names: "
-                            + ", ".join(sorted(REASONING_PARSERS)) + " (default: none)")
+    _parser_args(serve)
     gen = sub.add_parser("generate", help="print completions of PROMPT(s)")
     _engine_args(gen)
     gen.add_argument("--use", default=None, metavar="NAME", help="the adapter to generate with (default: base)")
