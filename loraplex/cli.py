@@ -214,7 +214,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_loras=args.max_loras,
                             max_cpu_loras=cpu_loras, max_lora_rank=args.max_lora_rank,
                             max_num_seqs=args.max_num_seqs, kv_cache_blocks=args.kv_cache_blocks,
-                            max_waiting_requests=getattr(args, "max_waiting_requests", None),  # serve only
+                            max_waiting_requests=args.max_waiting_requests if args.command == "serve" else None,
                             num_threads=args.threads, quantization=args.quantization,
                             saved_rows_budget_bytes=args.saved_rows_budget_mib << 20,
                             enable_prefix_caching=not args.no_prefix_caching,

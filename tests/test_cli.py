@@ -117,27 +117,30 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 3
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
 def test_serve_process(tiny_llama: Path, tiny_llama_adapters: dict[str, Path], tmp_path: Path,
                        stop_signal: signal.Signals) -> None:
-    """``loraplex serve`` end to end; Ctrl-C or SIGTERM stops it with status 0 and nothing left behind."""
+    """``loraplex serve`` end to end; Ctrl-C or SIGTERM stops it with status 0 and nothing left behind. At
+    DEBUG, no process's log (API, engine, preparation worker: all in the capture) names a key, valid or not."""
     port, folder = free_port(), tiny_llama_adapters["r4_attn"]
     log = tmp_path / "serve.log"
-    env = {**os.environ, "LORAPLEX_API_KEY": "k3y"}
+    key, wrong = "sk-serve-7f3a9c1e5b", "sk-wrong-9b1d3f5e7a"
+    env = {**os.environ, "LORAPLEX_API_KEY": key}
     cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(tiny_llama), "--adapter", f"chat={folder}",
            "--port", str(port), "--max-loras", "2", "--kv-cache-blocks", "64", "--allow-runtime-adapters",
-           "--adapter-root", str(tmp_path)]
+           "--adapter-root", str(tmp_path), "--log-level", "DEBUG"]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     children: list[psutil.Process] = []
     try:
-        url, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k3y"}
+        url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {key}"}
         wait_healthy(proc, url, log)
         assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {wrong}"}).status_code == 401
         models = httpx.get(f"{url}/v1/models", headers=auth).json()["data"]
         assert [(m["id"], m["parent"]) for m in models] == [(tiny_llama.name, None), ("chat", tiny_llama.name)]
         r = httpx.post(f"{url}/v1/completions", headers=auth, timeout=60,
                        json={"model": "chat", "prompt": "Hi", "max_tokens": 3, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         children = psutil.Process(proc.pid).children(recursive=True)  # the engine, the preparation workers
-        assert any("loraplex.engine.core_process" in " ".join(c.cmdline()) for c in children)
+        engine = next(c for c in children if "loraplex.engine.core_process" in " ".join(c.cmdline()))
     finally:
         proc.send_signal(stop_signal)
         code = proc.wait(timeout=60)
@@ -148,6 +151,8 @@ def test_serve_process(tiny_llama: Path, tiny_llama_adapters: dict[str, Path], t
                      "2 adapter slots",
                      "KV cache 64 blocks x 16 tokens", f"adapters: chat={folder}"):
         assert expected in text, text
+    assert f"step loop started (pid {engine.pid})" in text  # the engine process's log is in the capture
+    assert key not in text and wrong not in text
 
 
 def test_embedded_model_serves_the_demo_adapters_by_default(tiny_llama: Path) -> None:

@@ -1,5 +1,5 @@
 """Graceful shutdown of a real ``loraplex serve`` (engine process, preparation worker): on SIGTERM new
-requests and ``/health`` get 503, a stream in flight finishes in full, requests still open at
+requests and ``/health`` get 503 with ``Connection: close``, a stream in flight finishes in full, requests still open at
 ``--shutdown-timeout`` end with an error, and the server exits 0; SIGINT twice exits at once. Also the
 body limit on a chunked upload, through the real server."""
 
@@ -99,6 +99,7 @@ def assert_stopping(url: str) -> None:
     refused = httpx.post(f"{url}/v1/completions", json=body(1, 2, False), timeout=30)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == 503, refused.text
     assert "shutting down" in refused.json()["error"]["message"]
+    assert health.headers["connection"] == refused.headers["connection"] == "close"  # keep-alive ends: no reuse
 
 
 def test_sigterm_drains_then_ends_what_is_left_and_exits_0(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],

@@ -20,6 +20,7 @@ from tests.server_harness import BASE, MODES, Server, tiny_server
 
 CONFIG = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=8)
 PROMPT = "The capital of France is"
+LONG = 400  # tokens of the mid-stream promotion's stream: it must still be running when the promotion lands
 HEADER = "x-loraplex-adapter-version"
 
 
@@ -33,7 +34,7 @@ def server(request: pytest.FixtureRequest, tiny_llama: Path, tiny_llama_adapters
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> dict[str | None, str]:
-    """Greedy text of PROMPT per adapter folder (None: the base), offline."""
+    """Greedy text of PROMPT per adapter folder (None: the base), offline; "long": LONG tokens of r4_attn."""
     llm = LLM(model=str(tiny_llama), **CONFIG)
     out = {}
     for name in (None, "r4_attn", "r2_qv"):
@@ -41,6 +42,8 @@ def reference(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> dict[st
             llm.load_adapter(name, tiny_llama_adapters[name])
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
         out[name] = llm.generate([PROMPT], params, adapters=[name], use_tqdm=False)[0].text
+    params = SamplingParams(max_tokens=LONG, temperature=0.0, ignore_eos=True)
+    out["long"] = llm.generate([PROMPT], params, adapters=["r4_attn"], use_tqdm=False)[0].text
     return out
 
 
@@ -77,16 +80,19 @@ def test_versions_promote_roll_back_and_split(server: Server, reference: dict[st
     again = post(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(root / "r2_qv")})
     assert again.status_code == 409  # without "version": "new", as before
     with httpx.stream("POST", f"{server.url}/v1/completions", json={
-            "model": "x", "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True},
+            "model": "x", "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "ignore_eos": True, "stream": True},
             timeout=60) as stream:
         assert stream.headers[HEADER] == v1
         events = stream.iter_lines()
+        first = next(line for line in events if line.startswith("data: {"))  # the request is decoding
         promoted = post(server, "/v1/load_lora_adapter",
                         {"lora_name": "x", "lora_path": str(root / "r2_qv"), "version": "new"})  # mid-stream
-        chunks = [json.loads(line[6:]) for line in events if line.startswith("data: {")]
+        running = server.stats().num_running
+        chunks = [json.loads(line[6:]) for line in [first, *events] if line.startswith("data: {")]
     assert promoted.status_code == 200
+    assert running == 1, "the promotion must land while the stream is still running"
     streamed = "".join(c["choices"][0]["text"] for c in chunks)
-    assert streamed == reference["r4_attn"]  # in flight: finished on the old version
+    assert streamed == reference["long"]  # in flight: finished on the old version
     listing = entry(server, "x")
     v2 = listing["current"]
     hashes = {v["id"]: v["content_hash"] for v in listing["versions"]}
