@@ -163,6 +163,19 @@ ROWS: dict[str, tuple[list[str], Observe, object]] = {
     "--prepare-workers": (["--prepare-workers", "0"], lambda s: s.prepare_workers, 0),
     "--pin-adapter": (["--adapter", "a=/x/a", "--pin-adapter", "a"], lambda s: s.pins, ["a"]),
     "--in-process-engine": (["--in-process-engine"], lambda s: s.engine["in_process"], True),
+    "--max-num-batched-tokens": (["--max-num-batched-tokens", "64"], lambda s: s.config.max_num_batched_tokens, 64),
+    "--max-request-output-tokens": (["--max-request-output-tokens", "999"],
+                                    lambda s: s.config.max_request_output_tokens, 999),
+    "--max-prompt-logprobs-tokens": (["--max-prompt-logprobs-tokens", "33"],
+                                     lambda s: s.config.max_prompt_logprobs_tokens, 33),
+    "--header-timeout": (["--header-timeout", "2.5"], lambda s: s.uvicorn.http.header_timeout, 2.5),
+    "--timeout-keep-alive": (["--timeout-keep-alive", "7"], lambda s: s.uvicorn.timeout_keep_alive, 7),
+    "--h11-max-incomplete-event-size": (["--h11-max-incomplete-event-size", "4096"],
+                                        lambda s: s.uvicorn.h11_max_incomplete_event_size, 4096),
+    "--limit-concurrency": (["--limit-concurrency", "9"], lambda s: s.uvicorn.limit_concurrency, 9),
+    "--stall-timeout": (["--stall-timeout", "3"], lambda s: s.app["stall_timeout"], 3),
+    "--tool-call-parser": (["--tool-call-parser", "pythonic"], lambda s: s.app["tool_call_parser"], "pythonic"),
+    "--reasoning-parser": (["--reasoning-parser", "qwen3"], lambda s: s.app["reasoning_parser"], "qwen3"),
 }
 
 
