@@ -57,7 +57,8 @@ class Generation:
     on_end: Callable[[int], None] = lambda generated_tokens: None  # called once, when the request ends
 
     def observe(self, metrics: ServerMetrics, status: str, out: RequestOutput | None, timing: _Timing) -> None:
-        metrics.observe_request(self.version.name, status, out, timing.ttft, timing.decode, tenant=self.tags.tenant)
+        metrics.observe_request(self.version.name, status, out, timing.ttft, timing.decode, tenant=self.tags.tenant,
+                                e2e=timing.elapsed() if out is not None else None)
 
 
 class _Timing:
@@ -77,6 +78,10 @@ class _Timing:
     @property
     def ttft(self) -> float | None:
         return None if self.first is None else self.first - self.start
+
+    def elapsed(self) -> float:
+        """Seconds since submission."""
+        return time.monotonic() - self.start
 
     @property
     def decode(self) -> float | None:
