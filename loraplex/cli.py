@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
                        help="on SIGTERM, new requests get 503 and running ones may finish for this long; then "
                             "they end with an error and the server exits (default: %(default)g; SIGINT twice: at once)")
+    serve.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="export one OpenTelemetry trace per request over OTLP/HTTP protobuf to URL, e.g. "
+                            "http://localhost:4318/v1/traces (needs loraplex[otel]; default: off)")
     serve.add_argument("--engine-cpus", type=cpu_list, default=None, metavar="LIST",
                        help="bind the engine process's OpenMP threads to these cores, e.g. 0-1 or 0,2 "
                             "(default: no binding)")
@@ -209,7 +212,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                          allow_runtime_adapters=args.allow_runtime_adapters, adapter_roots=args.adapter_root,
                          api_key=args.api_key, api_keys=keys, load_on_demand=args.load_on_demand,
                          max_request_bytes=args.max_request_bytes,
-                         preparer=preparer, request_timeout=args.request_timeout or None)
+                         preparer=preparer, request_timeout=args.request_timeout or None,
+                         otlp_traces_endpoint=args.otlp_traces_endpoint)
         stats, adapters = asyncio.run(_describe(client))
         info = client.info
         logger.info("model %s (%s) dtype %s on %s; engine %s (pid %d)", info.model_name, info.model_path, info.dtype,

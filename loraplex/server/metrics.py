@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from loraplex.client.output import RequestOutput
 from loraplex.server.metric_labels import BASE_LABEL, AdapterLabels
+from loraplex.server.tracing import RequestTracer
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -133,9 +134,11 @@ class ServerMetrics:
     """``is_loaded(name)`` says whether an adapter name is loaded now: request series are labelled with
     loaded names only (``metric_labels.AdapterLabels``)."""
 
-    def __init__(self, is_loaded: Callable[[str], bool] = lambda name: False) -> None:
+    def __init__(self, is_loaded: Callable[[str], bool] = lambda name: False,
+                 tracer: RequestTracer | None = None) -> None:
         self.registry = CollectorRegistry()
         self.adapter_labels = AdapterLabels(is_loaded)
+        self.tracer = tracer  # request traces (--otlp-traces-endpoint), off by default
         self._engine_stats = EngineStatsCollector()
         self._render_lock = threading.Lock()
         r = self.registry

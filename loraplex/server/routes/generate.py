@@ -8,6 +8,7 @@ version and answers whole or as server-sent events.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -41,7 +42,7 @@ def tenancy(request: Request, body: Any, prepared: Prepared) -> dict[str, Any]:
 @router.post("/v1/completions", response_model=None,
              responses=documented(CompletionResponse, *GENERATION_ERRORS, stream=True))
 async def completions(request: Request) -> Response:
-    ctx = context(request)
+    arrived_ns, ctx = time.time_ns(), context(request)
     parsed = await ctx.preparer.parse_completion(await request.body())
     body: CompletionRequest = parsed.body
     version = await ctx.route(request, body.model)
@@ -53,7 +54,7 @@ async def completions(request: Request) -> Response:
                                 show_prompt_logprobs=body.prompt_logprobs is not None),
         prompts=prepared.prompt_token_ids, params=params, version=version, stream=bool(body.stream),
         include_usage=body.include_usage, field_of=body.field_of, user=body.user,
-        **tenancy(request, body, prepared),
+        **tenancy(request, body, prepared), arrived_ns=arrived_ns,
     )
     return await run_generation(ctx.client, ctx.metrics, gen, request, ctx.lifecycle)
 
@@ -61,7 +62,7 @@ async def completions(request: Request) -> Response:
 @router.post("/v1/chat/completions", response_model=None,
              responses=documented(ChatCompletionResponse, *GENERATION_ERRORS, stream=True))
 async def chat_completions(request: Request) -> Response:
-    ctx = context(request)
+    arrived_ns, ctx = time.time_ns(), context(request)
     parsed = await ctx.preparer.parse_chat(await request.body())
     body: ChatCompletionRequest = parsed.body
     version: Version = await ctx.route(request, body.model)
@@ -74,6 +75,6 @@ async def chat_completions(request: Request) -> Response:
                                 tool_parser=body.tool_parser()),
         prompts=[prompt_ids], params=params, version=version, stream=bool(body.stream),
         include_usage=body.include_usage, field_of=body.field_of, user=body.user or body.safety_identifier,
-        **tenancy(request, body, prepared),
+        **tenancy(request, body, prepared), arrived_ns=arrived_ns,
     )
     return await run_generation(ctx.client, ctx.metrics, gen, request, ctx.lifecycle)
