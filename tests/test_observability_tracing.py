@@ -1,9 +1,12 @@
 """``--otlp-traces-endpoint``: one span tree per request reaches a real OTLP/HTTP receiver (a small HTTP server
-decoding the protobuf with ``opentelemetry-proto``), both engine modes: a root per request, its children in
-order with monotone timestamps, the GenAI and loraplex attributes, and a client's ``traceparent`` honoured."""
+decoding the protobuf with ``opentelemetry-proto``): a root per request, its children in order with monotone
+timestamps, the GenAI and loraplex attributes, and a client's ``traceparent`` honoured, in detail with the
+engine in a thread (``tiny_server``); end to end through ``loraplex serve`` (the engine in its own process, its
+instants carried across in the outputs)."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -16,7 +19,7 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from tests.server_harness import BASE, MODES, Server, tiny_server
+from tests.server_harness import BASE, Server, tiny_server
 
 CONFIG = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=8)
 CHILDREN = ["preparation", "queue", "prefill", "decode"]
@@ -54,12 +57,12 @@ class Receiver:
         return [s for s in self.spans if s.kind == s.SPAN_KIND_SERVER]
 
 
-@pytest.fixture(scope="module", params=MODES)
-def traced(request: pytest.FixtureRequest, tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
+@pytest.fixture(scope="module")
+def traced( tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Receiver]]:
     receiver = Receiver()
     with tiny_server(tiny_llama, tiny_llama_adapters, ("r8_all", "r4_attn"), (), tmp_path_factory.mktemp("root"),
-                     mode=request.param, app_options={"otlp_traces_endpoint": receiver.url}, **CONFIG) as srv:
+                     app_options={"otlp_traces_endpoint": receiver.url}, **CONFIG) as srv:
         yield srv, receiver
     receiver.server.shutdown()
 
@@ -125,3 +128,35 @@ def test_tracing_off_imports_no_opentelemetry() -> None:
                             cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
+
+
+def test_loraplex_serve_flag_exports_traces(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
+                                            tmp_path: Path) -> None:
+    """``loraplex serve --otlp-traces-endpoint URL`` end to end: a request with a ``traceparent`` reaches the
+    receiver as a root span joining that trace, with its adapter; SIGTERM flushes and exits 0."""
+    from tests.test_cli import free_port, wait_healthy
+
+    receiver, port = Receiver(), free_port()
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(tiny_llama), "--adapter",
+           f"chat={tiny_llama_adapters['r4_attn']}", "--port", str(port), "--kv-cache-blocks", "64",
+           "--otlp-traces-endpoint", receiver.url]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, url, log)
+        r = httpx.post(f"{url}/v1/completions", timeout=60, headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
+                       json={"model": "chat", "prompt": "Hi", "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200
+        (root,) = receiver.roots(1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    receiver.server.shutdown()
+    assert code == 0, log.read_text()
+    assert root.trace_id.hex() == TRACE_ID and root.parent_span_id.hex() == PARENT_ID
+    assert attrs(root)["loraplex.adapter"] == "chat" and attrs(root)["gen_ai.usage.output_tokens"] == 3
+    children = sorted((s for s in receiver.spans if s.parent_span_id == root.span_id),
+                      key=lambda s: s.start_time_unix_nano)
+    assert [s.name for s in children] == CHILDREN
