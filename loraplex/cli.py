@@ -148,6 +148,13 @@ def _parser_args(serve: argparse.ArgumentParser) -> None:
                             + ", ".join(sorted(REASONING_PARSERS)) + " (default: none)")
 
 
+def _observability_args(serve: argparse.ArgumentParser) -> None:
+    """Traces (``server/tracing.py``); the metrics need no flag (``/metrics``)."""
+    serve.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="export one OpenTelemetry trace per request over OTLP/HTTP protobuf to URL, e.g. "
+                            "http://localhost:4318/v1/traces (needs loraplex[otel]; default: off)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from loraplex.server.draining import DEFAULT_SHUTDOWN_TIMEOUT_S
     from loraplex.server.limits import BYTES_PER_CONTEXT_TOKEN
@@ -193,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the step loop in a thread of the API process instead of its own process")
     _connection_args(serve)
     _parser_args(serve)
+    _observability_args(serve)
     gen = sub.add_parser("generate", help="print completions of PROMPT(s)")
     _engine_args(gen)
     gen.add_argument("--use", default=None, metavar="NAME", help="the adapter to generate with (default: base)")
@@ -269,7 +277,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                          max_request_bytes=args.max_request_bytes,
                          preparer=preparer, request_timeout=args.request_timeout or None,
                          stall_timeout=args.stall_timeout, tool_call_parser=args.tool_call_parser,
-                         reasoning_parser=args.reasoning_parser)
+                         reasoning_parser=args.reasoning_parser,
+                         otlp_traces_endpoint=args.otlp_traces_endpoint)
         _pin(client, args.pin_adapter, parser)
         stats, adapters = asyncio.run(_describe(client))
         info = client.info

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from loraplex.engine.request import EngineOutput, SamplingParams, TokenLogprob
+from loraplex.engine.request import EngineOutput, EngineTimes, SamplingParams, TokenLogprob
 from loraplex.errors import LoraplexError
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     index: int = 0  # which choice of its prompt this is
     outputs: list[RequestOutput] = field(default_factory=list)
+    times: EngineTimes | None = None  # the engine's instants for it, as of its latest output that sent them
 
 
 _INCOMPLETE = "\ufffd"
@@ -109,6 +110,7 @@ class _Progress:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    times: EngineTimes | None = None
 
 
 class OutputProcessor:
@@ -144,6 +146,8 @@ class OutputProcessor:
                     progress.logprobs = (progress.logprobs or []) + out.new_logprobs[:kept]
                 if out.prompt_logprobs is not None:
                     progress.prompt_logprobs = out.prompt_logprobs
+                if out.times is not None:
+                    progress.times = out.times
                 finished = out.finished or hit_stop
                 if hit_stop and not out.finished:
                     stopped.append(out.request_id)
@@ -160,7 +164,8 @@ def _full(out: EngineOutput, progress: _Progress, finished: bool, finish_reason:
         token_ids=list(progress.token_ids), text=detok.text if detok else "",
         delta_text=detok.pop_delta(finished) if detok else "", finished=finished, finish_reason=finish_reason,
         error=out.error, logprobs=None if progress.logprobs is None else list(progress.logprobs),
-        prompt_logprobs=None if progress.prompt_logprobs is None else list(progress.prompt_logprobs))
+        prompt_logprobs=None if progress.prompt_logprobs is None else list(progress.prompt_logprobs),
+        times=progress.times)
 
 
 def _accept(progress: _Progress, token_ids: list[int]) -> tuple[int, bool]:

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from loraplex.engine.sampling.logits_processors import ProcessorState
     from loraplex.engine.sampling.structured.masks import GrammarState
 
-__all__ = ["NO_TAGS", "EngineOutput", "NewRequest", "Request", "RequestStatus", "RequestTags", "SamplingParams",
-           "TokenLogprob", "check_context_length"]
+__all__ = ["NO_TAGS", "EngineOutput", "EngineTimes", "NewRequest", "Request", "RequestStatus", "RequestTags",
+           "SamplingParams", "TokenLogprob", "check_context_length"]
 
 
 class NewRequest(NamedTuple):
@@ -30,6 +30,18 @@ class NewRequest(NamedTuple):
     prompt_token_ids: list[int]
     params: SamplingParams
     version_id: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineTimes:
+    """When one request's life in the engine passed each point: Unix seconds (``time.time()`` in the engine's
+    process, so they hold across the process boundary), and how many prompt tokens' K/V came from the prefix
+    cache at its admission. Sent with a request's first output and with its last."""
+
+    arrival: float  # added to the scheduler's queue
+    scheduled: float | None = None  # first admitted (its adapter pinned in a slot, its blocks allocated)
+    first_token: float | None = None  # its first token was drawn (the prefill is done)
+    prefix_cached_tokens: int = 0
 
 
 @dataclass
@@ -45,6 +57,7 @@ class EngineOutput:
     error: LoraplexError | None = None
     new_logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    times: EngineTimes | None = None  # with its first output and its last
 
 
 @dataclass(frozen=True)
@@ -95,6 +108,10 @@ class Request:
     grammar: GrammarState | None = None  # its structured-output constraint (params.structured_outputs)
     num_emitted: int = 0  # output tokens already handed out in an ``EngineOutput``
     prompt_logprobs_sent: bool = False
+    arrival_time: float = 0.0  # EngineTimes' instants, set by the scheduler
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    prefix_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None and self.logprobs is None:
@@ -117,6 +134,10 @@ class Request:
     def output(self) -> EngineOutput:
         """What is new since its previous output, as an ``EngineOutput`` (marks it handed out)."""
         new = slice(self.num_emitted, len(self.output_token_ids))
+        times = None
+        if self.num_emitted == 0 or self.finished:
+            times = EngineTimes(self.arrival_time, self.scheduled_time, self.first_token_time,
+                                self.prefix_cached_tokens)
         self.num_emitted = len(self.output_token_ids)
         prompt_logprobs = None  # complete by its first output (outputs start once its prefill is done)
         if self.prompt_logprobs is not None and not self.prompt_logprobs_sent:
@@ -124,7 +145,8 @@ class Request:
         return EngineOutput(
             request_id=self.request_id, new_token_ids=self.output_token_ids[new], finished=self.finished,
             finish_reason=self.finish_reason, error=self.error,
-            new_logprobs=None if self.logprobs is None else self.logprobs[new], prompt_logprobs=prompt_logprobs)
+            new_logprobs=None if self.logprobs is None else self.logprobs[new], prompt_logprobs=prompt_logprobs,
+            times=times)
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_note: str = "") -> None:

@@ -53,6 +53,7 @@ from loraplex.server.routes.playground import mount_playground
 from loraplex.server.tenancy.access import AdapterPathPolicy, BearerAuthMiddleware, caller
 from loraplex.server.tenancy.keys import KeyTable
 from loraplex.server.tenancy.quotas import TenantQuotas
+from loraplex.server.tracing import RequestTracer
 
 API_KEY_ENV = "LORAPLEX_API_KEY"
 # the POST bodies routes read by hand (parsed off the event loop), put back into the OpenAPI schema
@@ -75,6 +76,7 @@ def create_app(
     request_timeout: float | None = None,
     stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
     tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+    otlp_traces_endpoint: str | None = None,
 ) -> FastAPI:
     """An app serving ``engine``: an ``EngineClient`` (a started ``EngineProcess``, an ``AsyncEngine``),
     an ``Engine`` or an ``LLM`` (both served in-process).
@@ -101,7 +103,7 @@ def create_app(
         client=client, base_name=base_name,
         base_aliases=frozenset({base_name, client.model_name, str(client.config.model)}),
         policy=AdapterPathPolicy(allow_runtime_adapters, adapter_roots),
-        metrics=ServerMetrics(client.has_adapter),  # adapter labels: loaded names only
+        metrics=ServerMetrics(client.has_adapter, _tracer(otlp_traces_endpoint)),  # adapter labels: loaded names
         lifecycle=ServerLifecycle(request_timeout),
         preparer=_configured(preparer or RequestPreparer(processes=prepare_processes), client),
         keys=keys, quotas=TenantQuotas(),
@@ -129,6 +131,12 @@ def _install_routes(app: FastAPI, ctx: ServerContext) -> None:
                      may_view=lambda request: caller(request).adapters == ("*",))
     for routes in (ops, models, generate, responses, tokenize, adapters):
         app.include_router(routes.router)
+
+
+def _tracer(otlp_traces_endpoint: str | None) -> RequestTracer | None:
+    """A trace per request exported to ``otlp_traces_endpoint`` (``loraplex.server.tracing``; the OpenTelemetry
+    SDK loads only then), or None: tracing off."""
+    return RequestTracer(otlp_traces_endpoint) if otlp_traces_endpoint else None
 
 
 def _configured(preparer: RequestPreparer, client: EngineClient) -> RequestPreparer:
@@ -173,6 +181,8 @@ async def _lifespan(ctx: ServerContext, _: FastAPI) -> AsyncIterator[None]:
     await ctx.preparer.warm_up()
     await ctx.client.base_fingerprint()  # reads the checkpoint once, before the first request needs it
     yield
+    if ctx.metrics.tracer is not None:  # flushes the spans not exported yet
+        await asyncio.to_thread(ctx.metrics.tracer.shutdown)
     await asyncio.to_thread(ctx.preparer.shutdown)
     if owns:
         await asyncio.to_thread(ctx.client.shutdown)

@@ -19,7 +19,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -35,6 +35,7 @@ from loraplex.server.lifecycle import Guard, ServerLifecycle
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.openai.errors import ServerError, error_body, loraplex_error_event, loraplex_error_response
 from loraplex.server.openai.responses import ResponseBuilder
+from loraplex.server.tracing import TracedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +56,23 @@ class Generation:
     user: str | None = None  # the client's end-user id, kept for metrics and tenancy
     tags: RequestTags = NO_TAGS  # the caller's tenant and the request's priority
     on_end: Callable[[int], None] = lambda generated_tokens: None  # called once, when the request ends
+    arrived_ns: int = 0  # when its HTTP request arrived (Unix ns), for its trace
+
+    def trace(self, metrics: ServerMetrics, headers: Mapping[str, str], status: str, finals: list[RequestOutput],
+              timing: _Timing) -> None:
+        """Its span tree, when tracing is on (``metrics.tracer``)."""
+        if metrics.tracer is None:
+            return
+        builder = self.builder
+        metrics.tracer.record(headers, TracedRequest(
+            operation="chat" if builder.chat else "text_completion", model=builder.model, adapter=self.version.name,
+            adapter_version=self.version.label, tenant=self.tags.tenant, arrived_ns=self.arrived_ns or timing.start_ns,
+            submitted_ns=timing.start_ns, ended_ns=time.time_ns(), max_tokens=self.params.max_tokens,
+            outputs=tuple(finals), status=status))
 
     def observe(self, metrics: ServerMetrics, status: str, out: RequestOutput | None, timing: _Timing) -> None:
-        metrics.observe_request(self.version.name, status, out, timing.ttft, timing.decode, tenant=self.tags.tenant)
+        metrics.observe_request(self.version.name, status, out, timing.ttft, timing.decode, tenant=self.tags.tenant,
+                                e2e=timing.elapsed() if out is not None else None)
 
 
 class _Timing:
@@ -65,6 +80,7 @@ class _Timing:
 
     def __init__(self) -> None:
         self.start = time.monotonic()
+        self.start_ns = time.time_ns()
         self.first: float | None = None
         self.last: float | None = None
 
@@ -77,6 +93,10 @@ class _Timing:
     @property
     def ttft(self) -> float | None:
         return None if self.first is None else self.first - self.start
+
+    def elapsed(self) -> float:
+        """Seconds since submission."""
+        return time.monotonic() - self.start
 
     @property
     def decode(self) -> float | None:
@@ -97,7 +117,7 @@ async def run_generation(engine: EngineClient, metrics: ServerMetrics, gen: Gene
     choices = gen.params.choices()
     items = [(f"{gen.builder.id}-{i * len(choices) + j}", prompt, params)
              for i, prompt in enumerate(gen.prompts) for j, params in enumerate(choices)]
-    generated, streaming = 0, False
+    generated, streaming, traced = 0, False, ("error", [])
     try:
         try:
             gen.builder.system_fingerprint = gen.version.content_hash or await engine.base_fingerprint()
@@ -116,7 +136,8 @@ async def run_generation(engine: EngineClient, metrics: ServerMetrics, gen: Gene
         headers = {VERSION_HEADER: gen.version.label}
         if gen.stream:
             streaming = True  # _events ends it
-            return StreamingResponse(_events(streams, gen, metrics, timing, guard), media_type="text/event-stream",
+            events = _events(streams, gen, metrics, timing, guard, request.headers)
+            return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
         try:
             finals = await _collect_unless_disconnected(streams, request, timing)
@@ -127,7 +148,9 @@ async def run_generation(engine: EngineClient, metrics: ServerMetrics, gen: Gene
             guard.close()
         if finals is None:  # the client left; its requests are aborted
             gen.observe(metrics, "abort", None, timing)
+            traced = ("abort", [])
             return Response(status_code=499)
+        traced = ("done", finals)
         generated = sum(len(f.token_ids) for f in finals)
         for final in finals:
             gen.observe(metrics, final.finish_reason or "unknown", final, timing)
@@ -138,6 +161,7 @@ async def run_generation(engine: EngineClient, metrics: ServerMetrics, gen: Gene
     finally:
         if not streaming:
             gen.on_end(generated)
+            gen.trace(metrics, request.headers, *traced, timing)
 
 
 async def _collect(stream: RequestStream, timing: _Timing) -> RequestOutput:
@@ -235,7 +259,7 @@ class _Chunks:
 
 
 async def _events(streams: list[RequestStream], gen: Generation, metrics: ServerMetrics, timing: _Timing,
-                  guard: Guard) -> AsyncIterator[str]:
+                  guard: Guard, headers: Mapping[str, str]) -> AsyncIterator[str]:
     """OpenAI chunks (each carrying one choice's new text and its tokens' logprobs), then ``data: [DONE]``.
     Cancellation (client gone) aborts every choice."""
     builder, status = gen.builder, "abort"
@@ -281,3 +305,4 @@ async def _events(streams: list[RequestStream], gen: Generation, metrics: Server
         if status != "done":
             gen.observe(metrics, status, None, timing)
         gen.on_end(sum(len(out.token_ids) for out in chunks.latest.values()))
+        gen.trace(metrics, headers, status, [finals[i] for i in sorted(finals)], timing)

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from loraplex.client.output import RequestOutput
 from loraplex.server.metric_labels import BASE_LABEL, AdapterLabels
+from loraplex.server.tracing import RequestTracer
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -76,6 +77,7 @@ class EngineStatsCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=getattr(stats, field))
         occupancy = stats.slots_in_use / stats.max_loras if stats.max_loras else 0.0
         yield GaugeMetricFamily("loraplex_adapter_slot_occupancy", "slots_in_use / max_loras.", value=occupancy)
+        yield from _router_gauges(stats)
         for field, (name, doc) in _STAT_COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=getattr(stats, field))
         for field, (name, doc) in _ADAPTER_COUNTERS.items():
@@ -86,6 +88,20 @@ class EngineStatsCollector(Collector):
                 family.add_metric([adapter or BASE_LABEL], getattr(counts, field))
             yield family
         yield from _requests_by_adapter(stats)
+
+
+def _router_gauges(stats: Any) -> Iterator[Metric]:
+    """The gauges routers read under vLLM's names (the Gateway API inference extension's endpoint picker,
+    llm-d's scorers), from the same ``stats`` as our own: ``loraplex_requests_running``,
+    ``loraplex_requests_waiting`` and ``1 - kv_blocks_free / kv_blocks_total``."""
+    yield GaugeMetricFamily("vllm:num_requests_running", "Requests scheduled and decoding (loraplex_requests_running).",
+                            value=stats.num_running)
+    yield GaugeMetricFamily("vllm:num_requests_waiting", "Requests queued (loraplex_requests_waiting).",
+                            value=stats.num_waiting)
+    total = stats.kv_blocks_total
+    usage = (total - stats.kv_blocks_free) / total if total else 0.0
+    yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage, 0-1: 1 - loraplex_kv_blocks_free / "
+                            "loraplex_kv_blocks_total.", value=usage)
 
 
 def _requests_by_adapter(stats: Any) -> Iterator[Metric]:
@@ -109,13 +125,21 @@ def _requests_by_adapter(stats: Any) -> Iterator[Metric]:
     yield info
 
 
+def _latency(name: str, doc: str, registry: CollectorRegistry) -> Histogram:
+    """A latency histogram labelled by adapter (bounded: ``AdapterLabels``) and tenant ('none' without keys)."""
+    return Histogram(name, doc + " By adapter and tenant.", ["adapter", "tenant"], buckets=_LATENCY_BUCKETS,
+                     registry=registry)
+
+
 class ServerMetrics:
     """``is_loaded(name)`` says whether an adapter name is loaded now: request series are labelled with
     loaded names only (``metric_labels.AdapterLabels``)."""
 
-    def __init__(self, is_loaded: Callable[[str], bool] = lambda name: False) -> None:
+    def __init__(self, is_loaded: Callable[[str], bool] = lambda name: False,
+                 tracer: RequestTracer | None = None) -> None:
         self.registry = CollectorRegistry()
         self.adapter_labels = AdapterLabels(is_loaded)
+        self.tracer = tracer  # request traces (--otlp-traces-endpoint), off by default
         self._engine_stats = EngineStatsCollector()
         self._render_lock = threading.Lock()
         r = self.registry
@@ -125,11 +149,12 @@ class ServerMetrics:
                                      registry=r)
         self.generation_tokens = Counter("loraplex_generation_tokens", "Tokens generated.", ["adapter"],
                                          registry=r)
-        self.ttft = Histogram("loraplex_time_to_first_token_seconds", "Submission to first token.",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("loraplex_time_per_output_token_seconds",
-                              "Mean time between output tokens after the first, per request.",
-                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = _latency("loraplex_time_to_first_token_seconds", "Submission to first token.", r)
+        self.tpot = _latency("loraplex_time_per_output_token_seconds",
+                             "Mean time between output tokens after the first, per request.", r)
+        self.e2e = _latency("loraplex_e2e_request_latency_seconds", "Submission to the request's last output.", r)
+        self.queue_time = _latency("loraplex_request_queue_time_seconds",
+                                   "Engine arrival to first admission (engine clock).", r)
         self.step_latency = Histogram("loraplex_step_latency_seconds", "Duration of one engine step.",
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.tenant_requests = Counter("loraplex_tenant_requests", "Finished requests by tenant (the configured "
@@ -141,13 +166,28 @@ class ServerMetrics:
                                      ["result"], registry=r)
         r.register(self._engine_stats)
 
+    def _observe_latency(self, label: str, tenant: str, out: RequestOutput, ttft: float | None,
+                         decode_seconds: float | None, e2e: float | None) -> None:
+        child = self.adapter_labels.child
+        if ttft is not None:
+            child(self.ttft, label, tenant).observe(ttft)
+        if decode_seconds is not None and len(out.token_ids) > 1:
+            child(self.tpot, label, tenant).observe(decode_seconds / (len(out.token_ids) - 1))
+        if e2e is not None:
+            child(self.e2e, label, tenant).observe(e2e)
+        times = out.times
+        if times is not None and times.scheduled is not None:
+            child(self.queue_time, label, tenant).observe(max(0.0, times.scheduled - times.arrival))
+
     def observe_step(self, seconds: float, outputs: list[RequestOutput]) -> None:
         self.step_latency.observe(seconds)
 
     def observe_request(self, adapter: str | None, status: str, out: RequestOutput | None,
-                        ttft: float | None, decode_seconds: float | None, tenant: str | None = None) -> None:
+                        ttft: float | None, decode_seconds: float | None, tenant: str | None = None,
+                        e2e: float | None = None) -> None:
         """Record one request that ended (``out`` is None when it was rejected before running). ``tenant``
-        is bounded by its caller: a configured key's tenant, or None."""
+        is bounded by its caller: a configured key's tenant, or None. The latency histograms are labelled by
+        adapter and tenant; queue time comes from the engine's instants (``out.times``)."""
         labels = self.adapter_labels
         label, tenant_label = labels.label(adapter), tenant or "none"
         labels.child(self.requests, label, status).inc()
@@ -158,10 +198,7 @@ class ServerMetrics:
         labels.child(self.generation_tokens, label).inc(len(out.token_ids))
         self.tenant_tokens.labels(tenant_label, "prompt").inc(len(out.prompt_token_ids))
         self.tenant_tokens.labels(tenant_label, "generated").inc(len(out.token_ids))
-        if ttft is not None:
-            self.ttft.observe(ttft)
-        if decode_seconds is not None and len(out.token_ids) > 1:
-            self.tpot.observe(decode_seconds / (len(out.token_ids) - 1))
+        self._observe_latency(label, tenant_label, out, ttft, decode_seconds, e2e)
 
     def render(self, stats: Any) -> bytes:
         """The Prometheus text, engine state from ``stats`` (the engine's ``EngineStats`` now)."""

@@ -37,6 +37,7 @@ pin are returned; keyed blocks stay cached). ``undo`` reverts a step whose forwa
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -91,6 +92,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         request.arrival_step = self.step_count
+        request.arrival_time = time.time()
         self.fair_share.arrive(request)
         self.waiting.append(request)
 
@@ -165,6 +167,8 @@ class Scheduler:
             self._key_filled_blocks(request, start, n)
             self.fair_share.charge_tokens(request, start, n)
             request.status = RequestStatus.RUNNING
+            if request.scheduled_time is None:  # its first admission (a preempted one comes back)
+                request.scheduled_time, request.prefix_cached_tokens = time.time(), start
             self.waiting.remove(request)
             self.running.append(request)
             admitted.append(ScheduledRequest(request, start, n))
@@ -247,6 +251,8 @@ class Scheduler:
                 self.finish(request, "length")
                 continue
             token = next(drawn)
+            if request.first_token_time is None:
+                request.first_token_time = time.time()
             request.output_token_ids.append(token)
             reason = self._stop_reason(request, token)
             if reason is not None:

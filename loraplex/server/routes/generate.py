@@ -8,6 +8,7 @@ version and answers whole or as server-sent events.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -57,7 +58,7 @@ def auto_tool_parser(request: Request, version: Version) -> ToolParser:
 @router.post("/v1/completions", response_model=None,
              responses=documented(CompletionResponse, *GENERATION_ERRORS, stream=True))
 async def completions(request: Request) -> Response:
-    ctx = context(request)
+    arrived_ns, ctx = time.time_ns(), context(request)
     parsed = await ctx.preparer.parse_completion(await request.body())
     body: CompletionRequest = parsed.body
     version = await ctx.route(request, body.model)
@@ -69,7 +70,7 @@ async def completions(request: Request) -> Response:
                                 show_prompt_logprobs=body.prompt_logprobs is not None),
         prompts=prepared.prompt_token_ids, params=params, version=version, stream=bool(body.stream),
         include_usage=body.include_usage, field_of=body.field_of, user=body.user,
-        **tenancy(request, body, prepared, params),
+        **tenancy(request, body, prepared, params), arrived_ns=arrived_ns,
     )
     return await run_generation(ctx.client, ctx.metrics, gen, request, ctx.lifecycle)
 
@@ -77,11 +78,13 @@ async def completions(request: Request) -> Response:
 @router.post("/v1/chat/completions", response_model=None,
              responses=documented(ChatCompletionResponse, *GENERATION_ERRORS, stream=True))
 async def chat_completions(request: Request) -> Response:
-    return await chat_response(request, await request.body())
+    arrived_ns = time.time_ns()
+    return await chat_response(request, await request.body(), arrived_ns)
 
 
-async def chat_response(request: Request, raw: bytes) -> Response:
-    """The chat completion of the body ``raw`` (``/v1/responses`` runs through here too)."""
+async def chat_response(request: Request, raw: bytes, arrived_ns: int) -> Response:
+    """The chat completion of the body ``raw`` (``/v1/responses`` runs through here too), which arrived at
+    ``arrived_ns`` (``time.time_ns()``: the trace's start)."""
     ctx = context(request)
     parsed = await ctx.preparer.parse_chat(raw)
     body: ChatCompletionRequest = parsed.body
@@ -96,6 +99,6 @@ async def chat_response(request: Request, raw: bytes) -> Response:
                                 reasoning_parser=REASONING_PARSERS.get(request.app.state.reasoning_parser or "")),
         prompts=[prompt_ids], params=params, version=version, stream=bool(body.stream),
         include_usage=body.include_usage, field_of=body.field_of, user=body.user or body.safety_identifier,
-        **tenancy(request, body, prepared, params),
+        **tenancy(request, body, prepared, params), arrived_ns=arrived_ns,
     )
     return await run_generation(ctx.client, ctx.metrics, gen, request, ctx.lifecycle)

@@ -5,6 +5,7 @@ the chat path (``openai/responses_api/``). A stored response (``store``, default
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -38,6 +39,7 @@ def _not_found(response_id: str, param: str | None = None) -> ServerError:
 
 @router.post("/v1/responses", response_model=None, responses=documented(None, *GENERATION_ERRORS, stream=True))
 async def create_response(request: Request) -> Response:
+    arrived_ns = time.time_ns()
     try:
         body = ResponsesRequest.model_validate_json(await request.body())
     except ValidationError as exc:
@@ -52,7 +54,7 @@ async def create_response(request: Request) -> Response:
     if body.stream:
         chat["stream_options"] = {"include_usage": True}
     try:
-        answer = await chat_response(request, json.dumps(chat).encode())
+        answer = await chat_response(request, json.dumps(chat).encode(), arrived_ns)
     except RequestError as exc:  # name the Responses field
         exc.param = CHAT_FIELDS.get(exc.param or "", exc.param)
         raise
