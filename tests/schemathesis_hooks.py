@@ -1,8 +1,9 @@
 """Schemathesis hooks for ``test_openapi.py``: positive cases skip bodies that break a cross-field rule JSON
 Schema cannot state (each documented in the field's description and in docs/server.md, each answered with a
 400 naming the field, tested in ``test_server_errors.py``): the prompt plus ``max_tokens`` must fit the
-context, ``top_logprobs`` needs ``logprobs: true``, ``reasoning_effort`` needs a chat template that reads
-it, and a structured-output or tool constraint must be one,
+context, the choices of one prompt may generate at most 16 contexts together (``n x max_tokens``, the
+request bound's default), ``top_logprobs`` needs ``logprobs: true``, ``reasoning_effort`` needs a chat
+template that reads it, and a structured-output or tool constraint must be one,
 valid (a schema, regex or grammar that compiles; a tool_choice naming a tool) and not combined with
 ``ignore_eos`` / ``min_tokens`` (checked with the server's own request models). Prompts are counted
 exactly, with the served model's tokenizer and the server's own chat rendering (``LORAPLEX_TEST_MODEL``,
@@ -11,7 +12,9 @@ exactly, with the served model's tokenizer and the server's own chat rendering (
 from __future__ import annotations
 
 import functools
+import json
 import os
+from collections import Counter
 from typing import Any
 
 import schemathesis
@@ -22,6 +25,7 @@ from loraplex.server.openai.protocol import ChatCompletionRequest, CompletionReq
 from loraplex.server.openai.responses_api.request import ResponsesRequest
 
 MAX_MODEL_LEN = int(os.environ.get("LORAPLEX_TEST_MAX_MODEL_LEN", "64"))
+REQUEST_OUTPUT_TOKENS = 16 * MAX_MODEL_LEN  # EngineConfig.max_request_output_tokens' default
 
 
 @functools.cache
@@ -81,7 +85,22 @@ def _as_chat(body: dict) -> dict | None:
 
 @schemathesis.hook
 def filter_body(ctx: schemathesis.HookContext, body: object) -> bool:
+    return _acceptable(ctx.operation.path if ctx.operation is not None else "", body)
+
+
+@schemathesis.hook
+def filter_case(ctx: schemathesis.HookContext, case: Any) -> bool:
+    """The coverage phase applies case filters only: its positive cases skip what ``filter_body`` skips."""
     operation = ctx.operation.path if ctx.operation is not None else ""
+    meta = getattr(case, "meta", None)
+    negative = meta is not None and getattr(meta.generation.mode, "value", "") == "negative"
+    if operation == "/v1/adapters/{name}" and case.method.upper() == "PUT":
+        return negative or case.body == _adapter_upload()  # see map_body
+    return negative or _acceptable(operation, case.body)
+
+
+def _acceptable(operation: str, body: object) -> bool:
+    """Whether a generation ``body`` keeps every cross-field rule (module docstring); other bodies always."""
     if operation == "/v1/responses" and isinstance(body, dict):
         chat = _as_chat(body)
         if chat is None:
@@ -91,39 +110,37 @@ def filter_body(ctx: schemathesis.HookContext, body: object) -> bool:
         return True  # only generation has cross-field rules
     limit = body.get("max_completion_tokens")
     limit = body.get("max_tokens") if limit is None else limit
+    given = limit is not None
     limit = (16 if "prompt" in body else 1) if limit is None else limit
     limit = int(limit) if isinstance(limit, float) and limit.is_integer() else limit
     if not isinstance(limit, int) or isinstance(limit, bool):
         return True  # a type error: schema-invalid anyway
     if body.get("top_logprobs") and body.get("logprobs") is not True:
         return False
-    if _unread_effort(body):
-        return False
-    if _bad_constraint(body):
+    if _unread_effort(body) or _bad_constraint(body):
         return False
     tokens = _prompt_tokens(body)
-    return tokens is None or tokens + limit <= MAX_MODEL_LEN
-
-
-@schemathesis.hook
-def filter_case(ctx: schemathesis.HookContext, case: Any) -> bool:
-    """The coverage phase applies case filters only: its positive cases skip bad constraints too."""
-    operation = ctx.operation.path if ctx.operation is not None else ""
-    meta = getattr(case, "meta", None)
-    negative = meta is not None and getattr(meta.generation.mode, "value", "") == "negative"
-    if operation == "/v1/adapters/{name}" and case.method.upper() == "PUT":
-        return negative or case.body == _adapter_upload()  # see map_body
-    if negative or not operation.endswith(("completions", "/v1/responses")) or not isinstance(case.body, dict):
+    if tokens is None:
         return True
-    body = _as_chat(case.body) if operation == "/v1/responses" else case.body
-    return body is not None and not _bad_constraint(body) and not _unread_effort(body)
+    # without max_tokens a chat choice may run to the end of the context (the server's default)
+    per_choice = limit if given or "prompt" in body else MAX_MODEL_LEN - tokens
+    return tokens + limit <= MAX_MODEL_LEN and _choices(body) * per_choice <= REQUEST_OUTPUT_TOKENS
+
+
+def _choices(body: dict) -> int:
+    """Choices of one prompt: ``n`` times the most repeats of one prompt in a prompt list (repeats count as
+    choices of it: docs/server.md, Request bounds)."""
+    n = body.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not prompt or isinstance(prompt[0], int):
+        return n
+    return n * max(Counter(json.dumps(p) for p in prompt).values())
 
 
 @functools.cache
 def _adapter_upload() -> bytes:
     """A valid ``PUT /v1/adapters/{name}`` body for the served model: a rank-1 LoRA on layer 0's q_proj."""
-    import json
-
     import safetensors.torch
     import torch
 

@@ -48,8 +48,10 @@ def serve(tiny_llama: Path, adapter: Path, log: Path, *flags: str) -> Iterator[t
 
 
 def body(prompts: int, max_tokens: int, stream: bool) -> dict:
-    return {"model": "chat", "prompt": ["Once upon a time"] * prompts if prompts > 1 else "Once upon a time",
-            "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
+    """``prompts`` different prompts (a list repeating one prompt would count as that many choices of it,
+    bounded by ``--max-request-output-tokens``)."""
+    return {"model": "chat", "prompt": [f"Once upon a time {i}" for i in range(prompts)] if prompts > 1
+            else "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
 
 
 def in_engine(url: str) -> int:
