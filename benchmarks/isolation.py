@@ -32,12 +32,14 @@ from tqdm import tqdm
 from benchmarks.common import machine_line, write_json
 from benchmarks.peers.serving import start, stop
 
+LONG_PROMPT = 4000  # token ids
 ATTACK_TIMEOUT_S = 120  # an attack still unanswered then is reported as "timeout"
 Attack = Callable[[Path], tuple[str, dict]]  # the adapter root -> (path, JSON body)
 
 
 def long_prompt(_: Path) -> tuple[str, dict]:
-    return "/v1/completions", {"model": "base", "prompt": "lorem ipsum " * 2000, "max_tokens": 4}
+    return "/v1/completions", {"model": "base", "prompt": [100 + i % 1000 for i in range(LONG_PROMPT)],
+                               "max_tokens": 4}
 
 
 def many_choices(_: Path) -> tuple[str, dict]:
@@ -107,11 +109,12 @@ async def run_phase(url: str, attack: Attack | None, root: Path, victims: int, t
         tasks = [asyncio.ensure_future(victim(http, i, tokens, arrivals[i])) for i in range(victims)]
         while min(len(a) for a in arrivals) < 4:
             await asyncio.sleep(0.01)
-        begin, status = time.perf_counter(), None
+        begin, status, answer = time.perf_counter(), None, None
         if attack is not None:
             path, body = attack(root)
             try:
-                status = (await http.post(path, json=body, timeout=ATTACK_TIMEOUT_S)).status_code
+                response = await http.post(path, json=body, timeout=ATTACK_TIMEOUT_S)
+                status, answer = response.status_code, response.text[:300]
             except httpx.TimeoutException:
                 status = "timeout"
         end = time.perf_counter() if attack is not None else float("inf")
@@ -119,7 +122,7 @@ async def run_phase(url: str, attack: Attack | None, root: Path, victims: int, t
     gaps = [b - a for times in arrivals for a, b in zip(times, times[1:], strict=False) if begin <= b <= end]
     gaps = gaps or [b - a for times in arrivals for a, b in zip(times, times[1:], strict=False) if b >= begin]
     quantiles = statistics.quantiles(gaps, n=100) if len(gaps) > 1 else gaps * 99
-    return {"status": status, "attack_s": None if attack is None else end - begin,
+    return {"status": status, "answer": answer, "attack_s": None if attack is None else end - begin,
             "tpot_p50_ms": statistics.median(gaps) * 1e3, "tpot_p99_ms": quantiles[98] * 1e3,
             "tpot_max_ms": max(gaps) * 1e3, "gaps": len(gaps)}
 
