@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import openai
 import uvicorn
 from fastapi import FastAPI
@@ -124,3 +125,24 @@ def tiny_server(model: Path, adapters: dict[str, Path], startup: tuple[str, ...]
             yield Server(url, engine, client, root, adapters)
     finally:
         client.shutdown()
+
+
+@contextmanager
+def streaming(url: str, model: str, headers: dict[str, str] | None = None) -> Iterator[None]:
+    """A long streamed completion of ``model`` in a thread while the block runs; stopped and joined after."""
+    done = threading.Event()
+
+    def stream() -> None:
+        body = {"model": model, "prompt": "Once", "max_tokens": 400, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json=body, headers=headers or {}) as r:
+            for _ in r.iter_lines():
+                if done.is_set():
+                    break
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(60)

@@ -6,7 +6,6 @@ Gateway API inference extension's LoRA-affinity routing) name the adapters with 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.server.metric_labels import AdapterLabels
 from loraplex.server.metrics import ServerMetrics
-from tests.server_harness import MODES, Server, tiny_server, wait_until_idle
+from tests.server_harness import MODES, Server, streaming, tiny_server, wait_until_idle
 
 CONFIG = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=8)
 # Random names per mode: the label logic is the same in both; the engine process's client answers "is it
@@ -92,18 +91,7 @@ def test_running_and_waiting_gauges_name_the_adapters_in_flight(server: Server) 
     """While a stream of ``r8_all`` decodes, ``vllm:lora_requests_info`` lists it as running, valued at the
     scrape's Unix time, with ``max_lora``; per-adapter gauges count it. Idle, the lists are empty."""
     wait_until_idle(server.engine_client)
-    done = threading.Event()
-
-    def stream() -> None:
-        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60, json={
-                "model": "r8_all", "prompt": "Once", "max_tokens": 400, "stream": True, "ignore_eos": True}) as r:
-            for _ in r.iter_lines():
-                if done.is_set():
-                    break
-
-    thread = threading.Thread(target=stream)
-    thread.start()
-    try:
+    with streaming(server.url, "r8_all"):
         deadline = time.monotonic() + 30
         while samples(server.url).get(
                 ("loraplex_adapter_requests_running", frozenset({("adapter", "r8_all")}))) != 1:
@@ -115,9 +103,6 @@ def test_running_and_waiting_gauges_name_the_adapters_in_flight(server: Server) 
         labels, value = info[0]
         assert labels == {"max_lora": "2", "running_lora_adapters": "r8_all", "waiting_lora_adapters": ""}
         assert abs(value - time.time()) < 60
-    finally:
-        done.set()
-        thread.join(60)
     wait_until_idle(server.engine_client)
     info = [dict(labels) for (name, labels), _ in samples(server.url).items() if name == "vllm:lora_requests_info"]
     assert info == [{"max_lora": "2", "running_lora_adapters": "", "waiting_lora_adapters": ""}]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_harness import BASE, MODES, Server, tiny_server, wait_until_idle
+from tests.server_harness import BASE, MODES, Server, streaming, tiny_server, wait_until_idle
 
 CONFIG = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=8)
 KEYS = """
@@ -73,27 +72,12 @@ def test_vllm_gauges_equal_ours_at_the_same_scrape(server: Server) -> None:
     """While a stream decodes: ``vllm:num_requests_running`` / ``_waiting`` are ours, ``vllm:kv_cache_usage_perc``
     is ``1 - free / total`` of our KV-block gauges (and above 0: the stream holds blocks); idle, all are 0."""
     wait_until_idle(server.engine_client)
-    done = threading.Event()
-
-    def stream() -> None:
-        body = {"model": "r8_all", "prompt": "Once", "max_tokens": 400, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60, json=body,
-                          headers={"Authorization": f"Bearer {OPS}"}) as r:
-            for _ in r.iter_lines():
-                if done.is_set():
-                    break
-
-    thread = threading.Thread(target=stream)
-    thread.start()
-    try:
+    with streaming(server.url, "r8_all", {"Authorization": f"Bearer {OPS}"}):
         deadline = time.monotonic() + 30
         while (scrape := samples(server)).get(("loraplex_requests_running", frozenset())) != 1:
             assert time.monotonic() < deadline, "the stream never showed as running"
             time.sleep(0.02)
         busy = scrape
-    finally:
-        done.set()
-        thread.join(60)
     wait_until_idle(server.engine_client)
     idle = samples(server)
     for scrape, running in ((busy, 1), (idle, 0)):
