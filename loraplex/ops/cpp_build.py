@@ -1,10 +1,13 @@
 """Building the project's C++ CPU kernels with ``torch.utils.cpp_extension``, once per environment.
 
 torch caches a build under its extension name and rebuilds whenever the build command changes, and the
-command holds the Python environment's paths: two virtualenvs (two checkouts, CI and a user's) sharing
-``~/.cache/torch_extensions`` would rebuild each other's modules on every switch. The name therefore
-carries a short digest of the environment, the torch version, the source paths and the flags, so each keeps its
-own build (``TORCH_EXTENSIONS_DIR`` still chooses the folder).
+command holds the source paths and the Python environment's paths: two virtualenvs (CI and a user's)
+sharing ``~/.cache/torch_extensions`` would rebuild each other's modules on every switch, and two
+checkouts of the same sources (git worktrees) would each compile for minutes. So the sources (with the
+headers beside them) are copied to a folder named after a digest of their contents, the environment,
+the torch version and the flags, and built from there under a name carrying that digest: equal sources
+build once per environment wherever they are checked out, and an edited source gets a build of its own
+(``TORCH_EXTENSIONS_DIR`` still chooses the folder).
 
 Every module compiles with ``-fopenmp``: ATen's ``at::parallel_for`` is OpenMP only where ``_OPENMP`` is
 defined, and runs its range serially on the calling thread otherwise (the kernels then used one of the
@@ -15,7 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -32,15 +37,43 @@ def build_cpu_extension(name: str, label: str, sources: list[Path], flags: list[
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     flags = [*flags, "-fopenmp"]
-    digest = hashlib.sha256("|".join([sys.prefix, torch.__version__, *map(str, sources), *flags]).encode()).hexdigest()
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name=f"{name}_{digest[:10]}", sources=[str(s) for s in sources], extra_cflags=flags,
+        digest, copies = _content_addressed(sources, flags)
+        return load(name=f"{name}_{digest[:10]}", sources=[str(s) for s in copies], extra_cflags=flags,
                     verbose=False)
     except Exception as e:  # the torch path stays correct
         logger.warning("%s unavailable (%s); %s", label, e, fallback)
         return None
+
+
+def _content_addressed(sources: list[Path], flags: list[str]) -> tuple[str, list[Path]]:
+    """The digest of ``sources``, the headers in their folders, the environment, torch and ``flags``, and
+    the sources' copies in the folder named after it (written once, atomically)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    files = [*sources, *sorted({h for s in sources for h in s.parent.glob("*.h")})]
+    digest = hashlib.sha256()
+    for part in (sys.prefix, torch.__version__, *flags):
+        digest.update(part.encode() + b"\0")
+    for file in files:
+        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+    hex_digest = digest.hexdigest()
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / "loraplex-sources"
+    folder = root / hex_digest[:16]
+    if not folder.is_dir():
+        root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=root))
+        for file in files:
+            (staging / file.name).write_bytes(file.read_bytes())
+        try:
+            staging.rename(folder)
+        except OSError:  # another process wrote the same folder first
+            for file in staging.iterdir():
+                file.unlink()
+            staging.rmdir()
+    return hex_digest, [folder / s.name for s in sources]
 
 
 def build_for_this_cpu(build: Callable[[str], ModuleType | None]) -> ModuleType | None:
