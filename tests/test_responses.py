@@ -17,6 +17,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from loraplex.config import EngineConfig
 from loraplex.server.openai.responses_api.store import ResponseStore, StoredResponse
 from tests.reference import greedy_with_adapter
 from tests.server_harness import BASE, Server, tiny_server
@@ -152,3 +153,51 @@ def test_store_is_per_tenant_lru_with_a_ttl() -> None:
     assert store.get("a", "r2") is None and store.get("a", "r1") is entry and len(store) == 2
     now[0] = 11
     assert store.get("a", "r1") is None and store.get("a", "r3") is None
+
+
+def test_streamed_reasoning_becomes_a_reasoning_item() -> None:
+    """A chat stream's ``reasoning_content`` deltas (what ``--reasoning-parser`` splits off, checked over
+    HTTP in test_reasoning) stream as ``response.reasoning_text.delta`` events of one reasoning item before
+    the message; every event parses as the ``openai`` package's own event types."""
+    from pydantic import TypeAdapter
+
+    from loraplex.server.openai.responses_api.output import ResponseEvents
+    from loraplex.server.openai.responses_api.request import ResponsesRequest
+
+    events = ResponseEvents(ResponsesRequest.model_validate({"model": BASE, "input": "Is 7 prime?", "stream": True}))
+    deltas = [{"reasoning_content": "Seven has "}, {"reasoning_content": "no divisors."}, {"content": "Yes"},
+              {"content": "."}]
+    lines = events.start() + [e for d in deltas for e in events.chunk({"choices": [{"index": 0, "delta": d}]})]
+    lines += events.chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    lines += events.chunk({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
+                                                    "prompt_tokens_details": {"cached_tokens": 0}}})
+    parser = TypeAdapter(openai.types.responses.ResponseStreamEvent)
+    parsed = [parser.validate_python(json.loads(line.split("data: ", 1)[1])) for line in lines]
+    assert [p.sequence_number for p in parsed] == list(range(len(parsed)))
+    thought = [p for p in parsed if p.type == "response.reasoning_text.delta"]
+    assert "".join(p.delta for p in thought) == "Seven has no divisors." and {p.output_index for p in thought} == {0}
+    text = [p for p in parsed if p.type == "response.output_text.delta"]
+    assert "".join(p.delta for p in text) == "Yes." and {p.output_index for p in text} == {1}
+    done = next(p for p in parsed if p.type == "response.reasoning_text.done")
+    assert done.text == "Seven has no divisors."
+    final = parsed[-1].response
+    assert parsed[-1].type == "response.completed" and [i.type for i in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == "Seven has no divisors." and final.output_text == "Yes."
+
+
+def test_usage_counts_prompt_tokens_from_the_prefix_cache(server: Server) -> None:
+    """``prompt_tokens_details.cached_tokens`` (chat) and ``input_tokens_details.cached_tokens`` (Responses)
+    are the engine's count: a new prompt shares only its chat template's first blocks with earlier ones;
+    the same prompt again reuses every full block but the one holding its last token (recomputed for its
+    logits)."""
+    client = server.client(KEY_A)
+    text = "Count the blocks of this fairly long and entirely unique prompt, said only by this test, twice over."
+    kw = dict(model=BASE, messages=[{"role": "user", "content": text}], max_tokens=2, temperature=0)
+    first, again = client.chat.completions.create(**kw).usage, client.chat.completions.create(**kw).usage
+    block = EngineConfig.block_size  # tiny_server's default
+    assert first.prompt_tokens_details.cached_tokens % block == 0
+    assert first.prompt_tokens_details.cached_tokens < again.prompt_tokens_details.cached_tokens
+    assert again.prompt_tokens_details.cached_tokens == (again.prompt_tokens - 1) // block * block
+    response = client.responses.create(model=BASE, input=text, max_output_tokens=2, temperature=0)
+    assert response.usage.input_tokens_details.cached_tokens == again.prompt_tokens_details.cached_tokens
+    assert response.usage.input_tokens_details.cache_write_tokens == 0

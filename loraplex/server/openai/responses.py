@@ -70,11 +70,14 @@ class ResponseBuilder:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": self.system_fingerprint, "choices": choices}
 
-    def usage(self, outs: Sequence[RequestOutput]) -> dict[str, int]:
-        """Each prompt counted once, each generated token once."""
+    def usage(self, outs: Sequence[RequestOutput]) -> dict[str, Any]:
+        """Each prompt counted once, each generated token once; ``prompt_tokens_details.cached_tokens``: the
+        prompt tokens whose K/V came from the prefix cache (the engine's count at admission)."""
         prompt = sum(len(o.prompt_token_ids) for o in outs[:: self.n])
         completion = sum(len(o.token_ids) for o in outs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(o.times.prefix_cached_tokens for o in outs[:: self.n] if o.times is not None)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def full(self, outs: Sequence[RequestOutput]) -> dict:
         """The non-streamed response; ``outs`` are the finished choices in index order."""

@@ -13,10 +13,15 @@ from pydantic import BaseModel, ConfigDict, Field
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class PromptLogprob(BaseModel):

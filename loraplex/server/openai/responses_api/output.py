@@ -58,7 +58,9 @@ def response_body(request: ResponsesRequest, response_id: str, created: int, out
         "truncation": "disabled", "reasoning": request.reasoning or {"effort": None, "summary": None},
         "user": request.user, "usage": None if usage is None else {
             "input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-            "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            "total_tokens": usage["total_tokens"], "input_tokens_details": {
+                # the prefix cache fills as a side effect of every prefill, never as a billed write
+                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "cache_write_tokens": 0},
             "output_tokens_details": {"reasoning_tokens": 0}},
     }
 
@@ -85,6 +87,7 @@ class ResponseEvents:
         self.request, self.id, self.created = request, _id("resp"), int(time.time())
         self.output: list[dict[str, Any]] = []
         self.text_at: int | None = None  # the output index of the message item being streamed
+        self.reasoning_at: int | None = None  # the output index of the reasoning item being streamed
         self.calls: dict[int, int] = {}  # tool call index -> output index
         self.sequence = 0
         self.finish_reason: str | None = None
@@ -105,6 +108,8 @@ class ResponseEvents:
         events: list[str] = []
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                events += self._reasoning(delta["reasoning_content"])
             if delta.get("content"):
                 events += self._text(delta["content"])
             for call in delta.get("tool_calls") or ():
@@ -130,6 +135,22 @@ class ResponseEvents:
         return events + [self.event("response.output_text.delta", output_index=self.text_at, item_id=item["id"],
                                      content_index=0, delta=text, logprobs=[])]
 
+    def _reasoning(self, text: str) -> list[str]:
+        events = []
+        if self.reasoning_at is None:
+            self.reasoning_at = len(self.output)
+            item = reasoning_item("")
+            item["status"] = "in_progress"
+            self.output.append(item)
+            events += [self.event("response.output_item.added", output_index=self.reasoning_at,
+                                   item={**item, "content": []}),
+                       self.event("response.content_part.added", output_index=self.reasoning_at,
+                                   item_id=item["id"], content_index=0, part=item["content"][0])]
+        item = self.output[self.reasoning_at]
+        item["content"][0]["text"] += text
+        return events + [self.event("response.reasoning_text.delta", output_index=self.reasoning_at,
+                                     item_id=item["id"], content_index=0, delta=text)]
+
     def _call(self, call: dict[str, Any]) -> list[str]:
         if "id" in call:
             self.calls[call["index"]] = len(self.output)
@@ -147,7 +168,13 @@ class ResponseEvents:
         events = []
         for at, item in enumerate(self.output):
             item["status"] = "completed"
-            if item["type"] == "message":
+            if item["type"] == "reasoning":
+                part = item["content"][0]
+                events += [self.event("response.reasoning_text.done", output_index=at, item_id=item["id"],
+                                       content_index=0, text=part["text"]),
+                           self.event("response.content_part.done", output_index=at, item_id=item["id"],
+                                       content_index=0, part=part)]
+            elif item["type"] == "message":
                 part = item["content"][0]
                 events += [self.event("response.output_text.done", output_index=at, item_id=item["id"],
                                        content_index=0, text=part["text"], logprobs=[]),
