@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 
 from loraplex import LLM, SamplingParams
 from loraplex.adapters.reading.safetensors_file import parse_safetensors_bytes, safetensors_bytes
+from loraplex.engine import wire
 from loraplex.errors import AdapterRankTooLarge, AdapterShapeMismatch, InvalidAdapter
 from tests.reference import with_adapter
 from tests.server_harness import MODES, Server, tiny_server, wait_until_idle
@@ -116,6 +117,17 @@ def test_tensor_loads_get_the_folder_loads_errors(llm: LLM, tiny_llama_adapters:
     llm.engine.adapters.check_integrity()
 
 
+def test_a_spooled_blob_is_a_private_file_read_once() -> None:
+    tensors = {"a": torch.randn(4, 3, generator=torch.Generator().manual_seed(1))}
+    blob = wire.TensorBlob.of(tensors).spooled()
+    assert blob.path is not None and blob.data == b"" and (Path(blob.path).stat().st_mode & 0o777) == 0o600
+    assert torch.equal(blob.tensors()["a"], tensors["a"]) and not Path(blob.path).exists()
+    unread = wire.packed_kwargs({"tensors": tensors, "config": "{}"})
+    assert Path(unread["tensors"].path).exists() and unread["config"] == "{}"
+    wire.remove_spooled(unread)
+    assert not Path(unread["tensors"].path).exists()
+
+
 def test_safetensors_bytes_round_trip() -> None:
     generator = torch.Generator().manual_seed(0)
     tensors = {"b": torch.randn(3, 5, generator=generator), "a": torch.randn(7, generator=generator).bfloat16(),
@@ -129,6 +141,16 @@ def test_safetensors_bytes_round_trip() -> None:
     for name, tensor in tensors.items():
         assert loaded[name].dtype == parsed[name].dtype == tensor.dtype
         assert torch.equal(loaded[name], tensor) and torch.equal(parsed[name], tensor)
+
+
+@pytest.fixture(autouse=True)
+def spool_every_blob(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every uploaded body crosses to the engine process as a spooled file (``TensorBlob.spooled``; the tiny
+    adapters are under the 1 MiB at which real ones start to), and none is left behind."""
+    monkeypatch.setattr(wire, "SPOOL_BYTES", 0)
+    before = set(Path(wire._spool_folder()).glob("loraplex-tensors-*"))
+    yield
+    assert set(Path(wire._spool_folder()).glob("loraplex-tensors-*")) == before
 
 
 @pytest.fixture(scope="module", params=MODES)

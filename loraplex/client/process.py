@@ -179,7 +179,9 @@ class EngineProcess(EngineClient):
                 future.set_exception(EngineUnavailable(f"the engine is {self._state.state}: {self._state.detail}"))
                 return future
             self._pending[call_id] = future
-        self._outbox.put(m.Call(call_id, method, args, m.packed_kwargs(kwargs)))
+        packed = m.packed_kwargs(kwargs)
+        future.add_done_callback(lambda _: m.remove_spooled(packed))
+        self._outbox.put(m.Call(call_id, method, args, packed))
         return future
 
     # ---- the two threads ----
