@@ -81,9 +81,14 @@ def test_bounded_schema_rewrites_types_not_data() -> None:
     schema = {"type": "object", "properties": {
         "type": {"type": ["integer", "null"]},
         "n": {"type": "number", "exclusiveMinimum": 0},
-        "e": {"enum": [{"type": "integer"}]}, "c": {"const": {"type": "number"}}}}
+        "e": {"enum": [{"type": "integer"}]}, "c": {"const": {"type": "number"}},
+        "i": {"type": "integer", "description": "a count"}, "j": {"type": "integer"}}, "$defs": {"x": {}}}
+    int64 = {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}
     assert bounded_schema(schema) == {"type": "object", "properties": {
         "type": {"type": ["integer", "null"], "minimum": -(2**63), "maximum": 2**63 - 1},
         "n": {"type": "number", "exclusiveMinimum": 0, "maximum": 1e17},
-        "e": {"enum": [{"type": "integer"}]}, "c": {"const": {"type": "number"}}}}
+        "e": {"enum": [{"type": "integer"}]}, "c": {"const": {"type": "number"}},
+        "i": {"$ref": "#/$defs/loraplex_int64"}, "j": {"$ref": "#/$defs/loraplex_int64"}},
+        "$defs": {"x": {}, "loraplex_int64": int64}}  # one shared range grammar
+    assert bounded_schema({"type": "integer"}) == int64
     assert "minimum" not in schema["properties"]["type"]  # a new object: the caller's schema is unchanged
