@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from loraplex.config import EngineConfig
-from loraplex.errors import LoraplexError
+from loraplex.errors import EngineUnavailable, LoraplexError
 from loraplex.server.openai.reasoning import REASONING_PARSERS
 from loraplex.server.openai.tool_parsers import PARSERS as TOOL_PARSERS
 
@@ -136,6 +136,8 @@ def _connection_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--stall-timeout", type=seconds, default=DEFAULT_STALL_TIMEOUT_S, metavar="SECONDS",
                        help="/health answers 503 'stalled' when requests are open and no engine step finished "
                             "for this long (default: %(default)g)")
+    serve.add_argument("--no-engine-restart", action="store_true",
+                       help="when the engine process dies, exit non-zero instead of restarting it (for supervisors)")
 
 
 def _parser_args(serve: argparse.ArgumentParser) -> None:
@@ -300,6 +302,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         signal.signal(signal.SIGTERM, _exit_normally)
         signal.signal(signal.SIGINT, _exit_normally)
         _http_server(app, args).run()
+        if client.health().state == "dead":  # the engine process died for good: a supervisor restarts us
+            raise EngineUnavailable(f"{client.health().detail}; exiting")
     finally:
         client.shutdown()
 
@@ -311,8 +315,10 @@ def _start_engine(args: argparse.Namespace, config: EngineConfig) -> EngineClien
 
         return AsyncEngine.from_config(config, startup_adapters(args))
     from loraplex.client.process import EngineProcess
+    from loraplex.client.restart import RestartPolicy
 
-    client = EngineProcess(config, startup_adapters(args), cpus=args.engine_cpus, log_level=args.log_level)
+    client = EngineProcess(config, startup_adapters(args), cpus=args.engine_cpus, log_level=args.log_level,
+                           restart=None if args.no_engine_restart else RestartPolicy(), on_dead=_stop_serving)
     client.start()
     return client
 
@@ -329,6 +335,11 @@ def _http_server(app: FastAPI, args: argparse.Namespace) -> DrainingServer:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             **limits.uvicorn_options())
     return DrainingServer(config, app.state.lifecycle, args.shutdown_timeout)
+
+
+def _stop_serving() -> None:
+    """The engine process is gone for good: drain as on SIGTERM; ``serve`` then exits non-zero."""
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _exit_normally(signum: int, frame: object) -> None:

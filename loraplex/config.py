@@ -298,6 +298,10 @@ class EngineConfig:
     # Check invariant 1 (each token's slot holds the adapter its request asked for) and that every KV
     # block a request reads was written under its adapter version, every step.
     debug_checks: bool = False
+    # The first adapter version id this engine hands out. A restarted engine process continues after
+    # every id its predecessor handed out, so a version id the API process still holds never names
+    # another adapter in the new engine (invariant 6).
+    first_version_id: int = 1
     # CPU threads for torch's kernels (torch.set_num_threads, process-wide); None keeps torch's default
     # (one per core). On a shared host, fewer threads than busy cores avoids OpenMP oversubscription.
     num_threads: int | None = None

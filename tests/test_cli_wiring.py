@@ -22,6 +22,8 @@ import pytest
 
 from loraplex import cli
 from loraplex.cli import build_parser
+from loraplex.client.base import EngineHealth
+from loraplex.client.restart import RestartPolicy
 from loraplex.config import EngineConfig
 
 
@@ -55,6 +57,9 @@ class FakeClient:
     def start(self) -> None:
         pass
 
+    def health(self) -> EngineHealth:
+        return EngineHealth("ready")
+
     def shutdown(self) -> None:
         pass
 
@@ -70,9 +75,11 @@ def run_serve(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> Seen:
     seen = Seen()
 
     def engine_process(config: EngineConfig, adapters: list, *, cpus: list[int] | None = None,
-                       log_level: str | None = None) -> FakeClient:
+                       log_level: str | None = None, restart: RestartPolicy | None = None,
+                       on_dead: object = None) -> FakeClient:
         seen.config = config
-        seen.engine = {"in_process": False, "adapters": list(adapters), "cpus": cpus, "log_level": log_level}
+        seen.engine = {"in_process": False, "adapters": list(adapters), "cpus": cpus, "log_level": log_level,
+                       "restart": restart}
         return FakeClient(seen)
 
     def in_process(config: EngineConfig, adapters: list) -> FakeClient:
@@ -160,6 +167,7 @@ ROWS: dict[str, tuple[list[str], Observe, object]] = {
     "--request-timeout": (["--request-timeout", "2.5"], lambda s: s.app["request_timeout"], 2.5),
     "--shutdown-timeout": (["--shutdown-timeout", "1.5"], lambda s: s.shutdown_timeout, 1.5),
     "--engine-cpus": (["--engine-cpus", "0-1,3"], lambda s: s.engine["cpus"], [0, 1, 3]),
+    "--no-engine-restart": (["--no-engine-restart"], lambda s: s.engine["restart"], None),
     "--prepare-workers": (["--prepare-workers", "0"], lambda s: s.prepare_workers, 0),
     "--pin-adapter": (["--adapter", "a=/x/a", "--pin-adapter", "a"], lambda s: s.pins, ["a"]),
     "--in-process-engine": (["--in-process-engine"], lambda s: s.engine["in_process"], True),

@@ -68,7 +68,7 @@ T = TypeVar("T")
 class AdapterManager:
     def __init__(self, model_config: ModelConfig, max_loras: int, max_cpu_loras: int, max_lora_rank: int,
                  writer: SlotWriter, allow_pickle: bool = False, saved_rows_budget: int | None = None,
-                 base_tokenizer: Any = None) -> None:
+                 base_tokenizer: Any = None, first_version_id: int = 1) -> None:
         self.model_config, self.max_lora_rank, self.allow_pickle = model_config, max_lora_rank, allow_pickle
         self.writer, self.base_tokenizer = writer, base_tokenizer
         self.slot_table = SlotTable(max_loras)
@@ -81,7 +81,7 @@ class AdapterManager:
         self._dropped: list[int] = []  # dropped since the last drain_dropped
         self._failures: dict[int, AdapterError] = {}  # versions that can no longer be read (until dropped)
         self._written: list[str | None] = [None] * max_loras  # content hash handed to the writer per slot
-        self._next_id = 1
+        self._next_id = first_version_id
         self._rereads = Rereads(self._read, self._reread_done, ReadAhead(read_ahead_depth(max_loras, max_cpu_loras)))
         self._indices = BatchIndices()
         self._pin_holds: set[int] = set()  # pinned versions holding their own slot pin

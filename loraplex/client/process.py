@@ -16,9 +16,13 @@ The engine's version table is copied here (the client's ``AdapterDirectory``): i
 ``Ready`` and with every reply to a call that changes it, and the versions that ship their own
 tokenizer are read from their folders then (``client/tokenizers.py``), before the call returns.
 
-If the engine process dies, the reader sees end of file: open requests end with ``EngineUnavailable``,
-pending calls fail, ``health()`` says "dead". ``shutdown()`` asks the engine to stop, then terminates
-and kills it; it also exits by itself when this process goes away (killed included): no orphans.
+If the engine process dies, the reader sees end of file: open requests end with ``EngineUnavailable``
+(a retryable 503) and pending calls fail. With a ``RestartPolicy`` (what ``loraplex serve`` runs unless
+``--no-engine-restart``), ``health()`` then says "restarting" while the reader thread starts a new engine
+process (bounded attempts with backoff, ``client/restart.py``), loads the adapters the table held
+again from their recorded calls (new version ids, after every id handed out before) and says "ready";
+without one, or when every attempt fails, ``health()`` says "dead". ``shutdown()`` asks the engine to stop,
+then terminates and kills it; it also exits by itself when this process goes away (killed included): no orphans.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import logging
 import queue
 import subprocess
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
@@ -38,6 +43,7 @@ from typing import Any
 from loraplex.client.base import EngineClient, EngineHealth
 from loraplex.client.directory import AdapterDirectory
 from loraplex.client.launcher import exit_status, launch, terminate
+from loraplex.client.restart import AdapterRecipes, RestartPolicy
 from loraplex.client.tokenizers import folder_reader
 from loraplex.config import EngineConfig
 from loraplex.engine import wire as m
@@ -49,17 +55,23 @@ logger = logging.getLogger(__name__)
 
 class EngineProcess(EngineClient):
     """``cpus``: bind the engine's OpenMP threads to these cores (one thread per core unless
-    ``config.num_threads`` says otherwise); None leaves placement to the OS."""
+    ``config.num_threads`` says otherwise); None leaves placement to the OS. ``restart``: how a dead engine
+    process is restarted (None: it is not, and the client stays "dead"). ``on_dead``: called (from the reader
+    thread) when the engine process is gone for good, not by ``shutdown``."""
 
     def __init__(self, config: EngineConfig, adapters: Sequence[tuple[str, str]] = (), *,
                  cpus: Sequence[int] | None = None, log_level: str | None = None,
-                 start_timeout: float = 900.0) -> None:
+                 start_timeout: float = 900.0, restart: RestartPolicy | None = None,
+                 on_dead: Callable[[], None] | None = None) -> None:
         super().__init__()
         self.config = config
         self._adapters = tuple((str(name), str(path)) for name, path in adapters)
         self._cpus = tuple(cpus) if cpus else None
         self._log_level = log_level or logging.getLevelName(logging.getLogger("loraplex").getEffectiveLevel())
         self._start_timeout = start_timeout
+        self._restart, self._on_dead = restart, on_dead
+        self._recipes = AdapterRecipes(self._adapters)
+        self.restarts = 0  # engine processes started after a death
         self._state = EngineHealth("starting", "the engine process is not started")
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
@@ -85,29 +97,39 @@ class EngineProcess(EngineClient):
         if self._proc is not None:
             return
         try:
-            self._proc, self._conn, ready = launch(self.config, self._adapters, self._cpus, self._log_level,
-                                                   self._start_timeout)
+            self._launch(self.config, self._adapters)
         except BaseException as exc:
             self._state = EngineHealth("dead", f"the engine failed to start: {exc}")
             raise
+        self._state = EngineHealth("ready")
+        logger.info("engine process %d ready: %s", self.info.pid, self.info.model_name)
+
+    def _launch(self, config: EngineConfig, adapters: Sequence[tuple[str, str]]) -> None:
+        """Start an engine process, a fresh directory of its table and the two threads (state unchanged)."""
+        self._proc, self._conn, ready = launch(config, adapters, self._cpus, self._log_level, self._start_timeout)
         info = self._info = ready.info
-        if info.has_tokenizer:
+        if info.has_tokenizer and self.tokenizer is None:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(info.model_path)
         self.directory = AdapterDirectory(self.tokenizer, info.vocab_size,
                                           folder_reader(self.tokenizer, info.vocab_size))
         try:
-            self.directory.update(ready.versions)
+            self._update_directory(ready.versions)
         except BaseException:
             terminate(self._proc)
             raise
-        self._state = EngineHealth("ready")
-        for target, args, name in ((m.send_batches, (self._outbox, self._conn), "loraplex-engine-send"),
-                                   (self._read_loop, (), "loraplex-engine-read")):
-            self._threads.append(threading.Thread(target=target, args=args, name=name, daemon=True))
-            self._threads[-1].start()
-        logger.info("engine process %d ready: %s", info.pid, info.model_name)
+        self._outbox = queue.SimpleQueue()  # what was queued for a dead process is dropped with it
+        roles = ((m.send_batches, (self._outbox, self._conn), "loraplex-engine-send"),
+                 (self._read_loop, (), "loraplex-engine-read"))
+        self._threads = [threading.Thread(target=target, args=args, name=name, daemon=True)
+                         for target, args, name in roles]
+        for thread in self._threads:
+            thread.start()
+
+    def _update_directory(self, view: m.VersionView) -> None:
+        self._recipes.saw(view)
+        self.directory.update(view)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort every open request, stop the engine process (asked, then terminated, then killed)."""
@@ -123,7 +145,8 @@ class EngineProcess(EngineClient):
             logger.warning("engine process %d did not stop within %.0f s; terminating it", self._proc.pid, timeout)
             terminate(self._proc)
         for thread in self._threads:
-            thread.join(timeout)
+            if thread is not threading.current_thread():
+                thread.join(timeout)
         self._fail_open(EngineUnavailable("the server is shutting down"), EngineHealth("stopped", "shut down"))
 
     def health(self) -> EngineHealth:
@@ -161,21 +184,25 @@ class EngineProcess(EngineClient):
         result, view = await asyncio.wrap_future(self.call(method, *args, **kwargs))
         if view is not None:
             try:
-                await asyncio.to_thread(self.directory.update, view)
+                await asyncio.to_thread(self._update_directory, view)
             except Exception:
                 if method == "load_adapter":  # this process cannot read its tokenizer: undo the load
                     name, new_version = args[0], kwargs.get("new_version", False)
                     await self._call("rollback_adapter" if new_version else "unload_adapter", name)
                 raise
+        self._recipes.record(method, args, kwargs)
         return result
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Future:
         """Run ``engine.<method>(*args, **kwargs)`` in the engine process; a future of (its result, the version table
         after it when the call changes it) (any thread)."""
+        return self._send_call(method, args, kwargs, require_ready=True)
+
+    def _send_call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, require_ready: bool) -> Future:
         future: Future = Future()
         call_id = next(self._call_ids)
         with self._lock:
-            if not self._state.ok:
+            if require_ready and not self._state.ok:
                 future.set_exception(EngineUnavailable(f"the engine is {self._state.state}: {self._state.detail}"))
                 return future
             self._pending[call_id] = future
@@ -203,10 +230,61 @@ class EngineProcess(EngineClient):
                 self._fail_streams(message.request_ids, message.error)
         assert self._proc is not None
         code = exit_status(self._proc)
-        if self._state.state != "stopping":
-            logger.error("the engine process exited (status %s); failing every open request", code)
-        self._fail_open(EngineUnavailable(f"the engine process exited (status {code})"),
-                        EngineHealth("dead", f"the engine process exited (status {code})"))
+        if self._state.state == "stopping" or self._restart is None:
+            if self._state.state != "stopping":
+                logger.error("the engine process exited (status %s); failing every open request", code)
+            self._fail_open(EngineUnavailable(f"the engine process exited (status {code})"),
+                            EngineHealth("dead", f"the engine process exited (status {code})"))
+            if self._state.state == "dead" and self._on_dead is not None:
+                self._on_dead()
+            return
+        logger.error("the engine process exited (status %s); failing every open request and restarting it", code)
+        self._fail_open(EngineUnavailable(f"the engine process exited (status {code}); it is restarting"),
+                        EngineHealth("restarting", f"the engine process exited (status {code}) and is restarting"))
+        self._restart_engine(self._restart)
+
+    def _restart_engine(self, policy: RestartPolicy) -> None:
+        """Start a new engine process (this thread ends once it serves; its own reader takes over)."""
+        why = ""
+        for delay in policy.delays():
+            time.sleep(delay)
+            if self._state.state != "restarting":  # shut down meanwhile
+                return
+            config = dataclasses.replace(self.config, first_version_id=self._recipes.next_version_id)
+            try:
+                self._launch(config, ())
+            except Exception as exc:
+                why = str(exc)
+                logger.error("restarting the engine process failed: %s", why)
+                continue
+            self._reload_adapters()
+            with self._lock:
+                restarted = self._state.state == "restarting"
+                if restarted:
+                    self._state = EngineHealth("ready")
+                    self.restarts += 1
+            if not restarted:  # shut down while it started
+                terminate(self._proc)
+                return
+            logger.info("engine process %d ready again (restart %d)", self.info.pid, self.restarts)
+            return
+        with self._lock:
+            dead = self._state.state == "restarting"
+            if dead:
+                self._state = EngineHealth("dead", f"the engine process could not be restarted: {why}")
+        if dead and self._on_dead is not None:
+            self._on_dead()
+
+    def _reload_adapters(self) -> None:
+        """Replay the recorded adapter calls into the new engine (in order; one that fails is logged and forgotten)."""
+        for method, args, kwargs in self._recipes.replay():
+            try:
+                _, view = self._send_call(method, args, kwargs, require_ready=False).result(self._start_timeout)
+                if view is not None:
+                    self._update_directory(view)
+            except Exception as exc:
+                logger.error("adapter %r could not be restored after the restart (%s): %s", args[0], method, exc)
+                self._recipes.forget(str(args[0]))
 
     def _settle(self, key: int | str, result: Any) -> None:
         with self._lock:

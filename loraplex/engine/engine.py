@@ -91,7 +91,8 @@ class Engine:
         self.adapters = AdapterManager(self.model_config, config.max_loras, config.max_cpu_loras,
                                        config.max_lora_rank, writer=self.model,
                                        allow_pickle=config.allow_pickle_adapters,
-                                       saved_rows_budget=config.saved_rows_budget_bytes, base_tokenizer=self.tokenizer)
+                                       saved_rows_budget=config.saved_rows_budget_bytes, base_tokenizer=self.tokenizer,
+                                       first_version_id=config.first_version_id)
         self.max_model_len = min(self.model_config.max_position_embeddings, num_blocks * config.block_size)
         caching = config.enable_prefix_caching and keys_hold_all_kv_inputs(self.model, self.max_model_len)
         self.allocator = BlockManager(num_blocks, config.block_size, caching)

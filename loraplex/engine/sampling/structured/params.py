@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from loraplex.engine.sampling.structured.bounds import bounded_schema
 from loraplex.errors import RequestError
 
 PARAM = "structured_outputs"
@@ -63,11 +64,11 @@ class StructuredOutputsParams:
 
     def source(self) -> str:
         """The constraint as one text (a JSON schema as compact JSON, its key order kept: properties are
-        generated in that order; a regex; an EBNF grammar)."""
+        generated in that order; numbers without bounds get ``bounds.py``'s; a regex; an EBNF grammar)."""
         kind = self.kind
         if kind == "json":
             schema = self.json if isinstance(self.json, dict) else jsonlib.loads(str(self.json))
-            return jsonlib.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+            return jsonlib.dumps(bounded_schema(schema), ensure_ascii=False, separators=(",", ":"))
         if kind == "choice":  # EBNF alternatives; a JSON string literal is a valid GBNF literal
             return "root ::= " + " | ".join(jsonlib.dumps(c, ensure_ascii=False) for c in self.choice or ())
         if kind == "json_object":
