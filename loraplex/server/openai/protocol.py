@@ -312,10 +312,11 @@ class UnloadAdapterRequest(_Body):
 
 
 class TokenizeCompletionRequest(BaseModel):
-    """``POST /tokenize`` with a prompt (vLLM's shape)."""
+    """``POST /tokenize`` with a prompt (vLLM's shape: no ``model`` means the base model, as lm-eval's remote
+    tokenizer sends it)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    model: str
+    model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool | None = False
@@ -332,5 +333,5 @@ class TokenizeChatRequest(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    model: str
+    model: str | None = None  # the base model, as on /tokenize
     tokens: list[Int]
