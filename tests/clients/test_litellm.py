@@ -4,8 +4,10 @@ stream adds up to it, and a forced tool call arrives parsed."""
 from __future__ import annotations
 
 import json
+import os
 
-import litellm
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its bundled price map: no fetch from GitHub
+import litellm  # noqa: E402  (reads the variable at import)
 
 from tests.clients.conftest import ADAPTER, Served
 from tests.clients.hf_chat import hf_chat_text

@@ -326,7 +326,7 @@ class TokenizeChatRequest(BaseModel):
     """``POST /tokenize`` with chat messages, rendered as ``/v1/chat/completions`` renders them."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    model: str
+    model: str | None = None  # the base model
     messages: list[ChatMessage] = Field(min_length=1)
     return_token_strs: bool | None = False
 
