@@ -1,12 +1,14 @@
 """lm-eval's ``local-completions`` model against ``loraplex serve``, with ``tokenizer_backend=remote`` (the
 tokenizer read over ``/tokenizer_info`` and ``/tokenize``): its log-likelihoods (and greedy flags) equal HF +
-PEFT's on the base model and on an adapter, to 5e-5. The requests are lm-eval's own ``Instance`` objects, as a
-task builds them (context and continuation split the way lm-eval splits them)."""
+PEFT's on the base model and on an adapter, to 5e-5, asked directly (lm-eval's ``Instance`` objects) and
+through ``simple_evaluate`` on a small local multiple-choice task (whose accuracy is then HF's)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import lm_eval
 import pytest
 import torch
 from lm_eval.api.instance import Instance
@@ -50,3 +52,23 @@ def test_loglikelihood_equals_hf_peft(served: Served, adapter: bool) -> None:
                                                      continuation)
         assert logprob == pytest.approx(expected, abs=5e-5), (context, continuation)
         assert greedy == expected_greedy
+
+
+def test_a_local_task_through_simple_evaluate(served: Served, tmp_path: Path) -> None:
+    docs = [{"q": "The capital of France is", "choices": [" Paris", " Rome"], "label": 0},
+            {"q": "2 + 2 =", "choices": [" 4", " 5"], "label": 1}]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("\n".join(json.dumps(doc) for doc in docs))
+    task = {"task": "tiny_mc", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+            "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{q}}",
+            "doc_to_choice": "{{choices}}", "doc_to_target": "label", "target_delimiter": "",
+            "metric_list": [{"metric": "acc"}]}
+    args = f"base_url={served.v1}/completions,model={ADAPTER},tokenizer_backend=remote,num_concurrent=1,max_retries=1"
+    out = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=[task], log_samples=True)
+    right = 0
+    for doc, sample in zip(docs, out["samples"]["tiny_mc"], strict=True):
+        expected = [hf_loglikelihood(served.model, served.adapter, doc["q"], c)[0] for c in doc["choices"]]
+        got = [resp[0][0] for resp in sample["resps"]]
+        assert got == pytest.approx(expected, abs=5e-5)
+        right += max(range(len(expected)), key=expected.__getitem__) == doc["label"]
+    assert out["results"]["tiny_mc"]["acc,none"] == right / len(docs)
