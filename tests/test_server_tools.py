@@ -117,6 +117,25 @@ def test_auto_parses_hermes_tool_calls(server: Server) -> None:
     assert free.choices[0].message.tool_calls is None and free.choices[0].finish_reason == "length"
 
 
+def test_streamed_auto_tool_calls_come_as_fragments(server: Server) -> None:
+    """Issue 36 item 7: an ``auto`` call streamed as vLLM streams it: a first delta with ``id``, ``type`` and
+    ``name``, then ``arguments`` fragments adding up to the call; the text before it as content."""
+    block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
+    regex = "".join("\\" + ch if ch in "{}[]().*+?|\\^$" else ch for ch in "Let me check. " + block)
+    chunks = list(server.client().chat.completions.create(
+        model=BASE, messages=MESSAGES, tools=TOOLS, max_tokens=120, temperature=0, stream=True,
+        extra_body={"structured_outputs": {"regex": regex}}))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id and deltas[0].type == "function" and deltas[0].function.name == "get_weather"
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    assert len(deltas) > 2  # fragments as they are generated, not one delta at the end
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    assert json.loads(arguments) == {"city": "Paris", "unit": "C"}
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content.strip() == "Let me check."
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
 def parse_hermes(text: str) -> tuple:
     return PARSERS["hermes"].scan(text).parsed(text)
 
