@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from loraplex.server.openai.protocol import ChatCompletionRequest
 from loraplex.server.openai.tool_parsers import PARSERS
-from tests.server_harness import BASE, Server, tiny_server
+from tests.server_harness import BASE, MODES, Server, tiny_server
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                             "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}
@@ -28,11 +28,13 @@ SCHEMA_OF = {"get_weather": WEATHER, "get_time": TIME}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
+@pytest.fixture(scope="module", params=MODES)
+def server(request: pytest.FixtureRequest, tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """In both engine modes: ``loraplex serve``'s (the engine process and a preparation worker) and in-process."""
     with tiny_server(tiny_llama, tiny_llama_adapters, ("r8_all",), (), tmp_path_factory.mktemp("root"),
-                     max_loras=2, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=16) as srv:
+                     mode=request.param, max_loras=2, max_lora_rank=16, kv_cache_blocks=256,
+                     max_num_seqs=16) as srv:
         yield srv
 
 
