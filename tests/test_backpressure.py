@@ -14,12 +14,13 @@ import httpx
 import pytest
 
 from loraplex.config import EngineConfig
-from loraplex.engine.engine import Engine
+from loraplex.engine.engine import STEP_DELAY_ENV, Engine
 from loraplex.engine.request import NewRequest, SamplingParams
 from loraplex.errors import QueueFull, RequestError
 from tests.server_harness import BASE, MODES, tiny_server, wait_until_idle
 
-LONG = 480  # tokens: with one or two seats, a prompt list of these runs for thousands of steps
+LONG = 480  # tokens: with one seat, four prompts of these run for ~2,000 steps, each >= STEP_DELAY
+STEP_DELAY = 0.005  # s: the engine's test hook holds each step, so ~2,000 steps last >= 10 s on any machine
 
 
 def sse_events(response: httpx.Response) -> list[str]:
@@ -51,7 +52,8 @@ def test_the_bound_counts_waiting_requests_not_running_ones(tiny_llama: Path) ->
 
 @pytest.fixture(params=MODES)
 def server(request: pytest.FixtureRequest, tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
-           tmp_path: Path) -> Iterator:
+           tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    monkeypatch.setenv(STEP_DELAY_ENV, str(STEP_DELAY))  # read by the engine (and the engine process) at start
     with tiny_server(tiny_llama, tiny_llama_adapters, ("r4_attn",), (), tmp_path, mode=request.param,
                      app_options={"request_timeout": 1.5}, max_num_seqs=1, max_waiting_requests=3,
                      kv_cache_blocks=128) as srv:
@@ -88,7 +90,7 @@ def test_full_queue_is_503_with_retry_after_and_timeouts_stop_requests(server) -
         ok = http.post("/v1/completions", json=long_body(False, max_tokens=2))
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
-        # --request-timeout 1.5: four prompts of 480 tokens on one seat run for ~2,000 steps
+        # --request-timeout 1.5: four prompts of 480 tokens on one seat: ~2,000 held steps, >= 10 s
         timed_out = http.post("/v1/completions", json=long_body(False, prompts=4))
         assert timed_out.status_code == 504, timed_out.text
         error = timed_out.json()["error"]

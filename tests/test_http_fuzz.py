@@ -29,12 +29,13 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from loraplex import LLM, SamplingParams
-from tests.server_harness import BASE, Server, tiny_server, wait_until_idle
+from tests.server_harness import BASE, MODES, Server, tiny_server, wait_until_idle
 
 CONFIG = dict(max_loras=2, max_cpu_loras=3, max_lora_rank=16, kv_cache_blocks=160, max_num_seqs=4)
 FOLDERS = ("r8_all", "r4_attn", "r2_qv")
@@ -215,9 +216,12 @@ class HttpChurn(RuleBasedStateMachine):
         self.http.close()
 
 
-def test_http_churn_state_machine(tiny_llama: Path, tiny_llama_adapters: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_http_churn_state_machine(mode: str, tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
+                                  tmp_path: Path) -> None:
     refs = references(tiny_llama, tiny_llama_adapters)
-    with tiny_server(tiny_llama, tiny_llama_adapters, (), FOLDERS, tmp_path, **CONFIG) as srv:
+    COUNTS.clear()  # this mode's counts only
+    with tiny_server(tiny_llama, tiny_llama_adapters, (), FOLDERS, tmp_path, mode=mode, **CONFIG) as srv:
         (srv.root / "broken").mkdir()
         (srv.root / "broken" / "adapter_config.json").write_text("{not json")
         HttpChurn.srv, HttpChurn.refs = srv, refs

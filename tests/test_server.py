@@ -17,21 +17,26 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex import LLM, SamplingParams
+from loraplex.engine.engine import STEP_DELAY_ENV
 from tests.server_harness import BASE, MODES, Server, tiny_server, wait_until_idle
 
 CONFIG = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=8)
 STARTUP = ("r8_all", "r4_attn")  # loaded at start; r16_mlp is loaded through the API
 PROMPT = "The capital of France is"
+STEP_DELAY = 0.002  # s per step
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
 
 
 @pytest.fixture(scope="module", params=MODES)
 def server(request: pytest.FixtureRequest, tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The same app over an in-process engine ("thread") and over the engine process ("process")."""
-    with tiny_server(tiny_llama, tiny_llama_adapters, STARTUP, ("r16_mlp",), tmp_path_factory.mktemp("root"),
-                     mode=request.param, **CONFIG) as srv:
-        yield srv
+    """The same app over an in-process engine ("thread") and over the engine process ("process"). Each step is
+    held ``STEP_DELAY`` (the engine's test hook), so a 480-token request runs for >= 1 s on any machine."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(STEP_DELAY_ENV, str(STEP_DELAY))  # read when the engine (or its process) starts
+        with tiny_server(tiny_llama, tiny_llama_adapters, STARTUP, ("r16_mlp",), tmp_path_factory.mktemp("root"),
+                         mode=request.param, **CONFIG) as srv:
+            yield srv
 
 
 @pytest.fixture(scope="module")

@@ -15,15 +15,16 @@ import pytest
 
 from loraplex.server.app import create_app
 from tests.fixtures import write_peft_adapter
-from tests.server_harness import BASE, Server, running_server, tiny_server
+from tests.server_harness import BASE, MODES, Server, running_server, tiny_server
 
 CONFIG = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=64, max_num_seqs=4)
 LONG_PROMPT = list(range(100, 700))  # 600 token ids: longer than the tiny model's 512 positions
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
+@pytest.fixture(scope="module", params=MODES)
+def server(request: pytest.FixtureRequest, tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """In both engine modes: ``loraplex serve``'s (the engine process and a preparation worker) and in-process."""
     base = tmp_path_factory.mktemp("errors")
     root = base / "root"
     root.mkdir()
@@ -33,7 +34,8 @@ def server(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
     (root / "not-an-adapter").mkdir()
     (root / "bad-config").mkdir()
     (root / "bad-config" / "adapter_config.json").write_text("{ not json")
-    with tiny_server(tiny_llama, tiny_llama_adapters, ("r8_all",), ("r4_attn",), root, **CONFIG) as srv:
+    with tiny_server(tiny_llama, tiny_llama_adapters, ("r8_all",), ("r4_attn",), root, mode=request.param,
+                     **CONFIG) as srv:
         yield srv
 
 

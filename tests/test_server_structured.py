@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server_harness import BASE, Server, tiny_server
+from tests.server_harness import BASE, MODES, Server, tiny_server
 from tests.structured_schemas import SCHEMAS
 
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
@@ -28,11 +28,13 @@ class Person(BaseModel):
     role: Literal["admin", "user"]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
+@pytest.fixture(scope="module", params=MODES)
+def server(request: pytest.FixtureRequest, tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """In both engine modes: ``loraplex serve``'s (the engine process and a preparation worker) and in-process."""
     with tiny_server(tiny_llama, tiny_llama_adapters, ("r8_all",), (), tmp_path_factory.mktemp("root"),
-                     max_loras=2, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=16) as srv:
+                     mode=request.param, max_loras=2, max_lora_rank=16, kv_cache_blocks=256,
+                     max_num_seqs=16) as srv:
         yield srv
 
 
@@ -119,4 +121,5 @@ def test_bad_constraints_are_400_before_queueing(server: Server, fields: dict, p
         r = post(server, path, {"model": BASE, "max_tokens": 4, **base, **fields})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param, r.text
-    assert not server.engine.has_unfinished_requests()
+    stats = server.stats()
+    assert stats.num_running == stats.num_waiting == 0

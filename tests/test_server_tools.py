@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from loraplex.server.openai.protocol import ChatCompletionRequest
 from loraplex.server.openai.tool_parsers import PARSERS
-from tests.server_harness import BASE, Server, tiny_server
+from tests.server_harness import BASE, MODES, Server, tiny_server
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                             "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}
@@ -28,11 +28,13 @@ SCHEMA_OF = {"get_weather": WEATHER, "get_time": TIME}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
+@pytest.fixture(scope="module", params=MODES)
+def server(request: pytest.FixtureRequest, tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """In both engine modes: ``loraplex serve``'s (the engine process and a preparation worker) and in-process."""
     with tiny_server(tiny_llama, tiny_llama_adapters, ("r8_all",), (), tmp_path_factory.mktemp("root"),
-                     max_loras=2, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=16) as srv:
+                     mode=request.param, max_loras=2, max_lora_rank=16, kv_cache_blocks=256,
+                     max_num_seqs=16) as srv:
         yield srv
 
 
@@ -115,6 +117,25 @@ def test_auto_parses_hermes_tool_calls(server: Server) -> None:
     free = server.client().chat.completions.create(model=BASE, messages=MESSAGES, tools=TOOLS, max_tokens=8,
                                                    temperature=0)
     assert free.choices[0].message.tool_calls is None and free.choices[0].finish_reason == "length"
+
+
+def test_streamed_auto_tool_calls_come_as_fragments(server: Server) -> None:
+    """Issue 36 item 7: an ``auto`` call streamed as vLLM streams it: a first delta with ``id``, ``type`` and
+    ``name``, then ``arguments`` fragments adding up to the call; the text before it as content."""
+    block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
+    regex = "".join("\\" + ch if ch in "{}[]().*+?|\\^$" else ch for ch in "Let me check. " + block)
+    chunks = list(server.client().chat.completions.create(
+        model=BASE, messages=MESSAGES, tools=TOOLS, max_tokens=120, temperature=0, stream=True,
+        extra_body={"structured_outputs": {"regex": regex}}))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id and deltas[0].type == "function" and deltas[0].function.name == "get_weather"
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    assert len(deltas) > 2  # fragments as they are generated, not one delta at the end
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    assert json.loads(arguments) == {"city": "Paris", "unit": "C"}
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content.strip() == "Let me check."
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
 
 def parse_hermes(text: str) -> tuple:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,9 +67,15 @@ def _pick_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     return device, getattr(torch, config.dtype)
 
 
+# Tests only, no flag: each step that runs a batch sleeps this many seconds first, so a test can keep the engine
+# busy for a known time whatever the machine's speed (tests/test_backpressure.py, tests/test_graceful_shutdown.py).
+STEP_DELAY_ENV = "LORAPLEX_TEST_STEP_DELAY"
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self._step_delay = float(os.environ.get(STEP_DELAY_ENV, "0"))
         folder = resolve_model(config.model)
         self.model_path = folder
         self.model_name = config.model if not Path(config.model).is_dir() else Path(config.model).name
@@ -229,6 +237,8 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
+        if self._step_delay:
+            time.sleep(self._step_delay)
         try:
             kept, tokens = self._run(batch, outputs)
         except BaseException as exc:

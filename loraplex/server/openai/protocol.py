@@ -312,10 +312,11 @@ class UnloadAdapterRequest(_Body):
 
 
 class TokenizeCompletionRequest(BaseModel):
-    """``POST /tokenize`` with a prompt (vLLM's shape)."""
+    """``POST /tokenize`` with a prompt (vLLM's shape: no ``model`` means the base model, as lm-eval's remote
+    tokenizer sends it)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    model: str
+    model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool | None = False
@@ -325,12 +326,12 @@ class TokenizeChatRequest(BaseModel):
     """``POST /tokenize`` with chat messages, rendered as ``/v1/chat/completions`` renders them."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    model: str
+    model: str | None = None  # the base model
     messages: list[ChatMessage] = Field(min_length=1)
     return_token_strs: bool | None = False
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    model: str
+    model: str | None = None  # the base model, as on /tokenize
     tokens: list[Int]

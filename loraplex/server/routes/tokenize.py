@@ -20,14 +20,14 @@ router = APIRouter()
 async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request) -> dict:
     """A prompt, or chat messages rendered as ``/v1/chat/completions`` renders them."""
     ctx = context(request)
-    ids, strs = await ctx.preparer.tokenize(body, ctx.current(request, body.model))
+    ids, strs = await ctx.preparer.tokenize(body, ctx.current(request, body.model or ctx.base_name))
     return {"count": len(ids), "max_model_len": ctx.client.max_model_len, "tokens": ids, "token_strs": strs}
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=documented(DetokenizeResponse, 400, 404, 413))
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     ctx = context(request)
-    version = ctx.current(request, body.model)
+    version = ctx.current(request, body.model or ctx.base_name)
     if any(not 0 <= t < version.vocab_size for t in body.tokens):  # wider for an adapter that adds tokens
         raise RequestError(f"tokens must be token ids in [0, {version.vocab_size})", "tokens")
     return {"prompt": await ctx.preparer.detokenize(body.tokens, version)}
