@@ -214,4 +214,5 @@ def test_sgmv_refuses_a_row_in_two_groups(kernel) -> None:  # noqa: ANN001
     ranks, blocks = torch.tensor([4, 4], dtype=torch.int32), torch.tensor([[[0, 6, 0, 4]]] * 2, dtype=torch.int32)
     order, slots, offsets = torch.tensor([0, 1, 1]), torch.tensor([0, 1]), torch.tensor([0, 2, 3])
     with pytest.raises(RuntimeError, match="out of range or repeated"):
-        kernel.sgmv(torch.zeros(3, 6), torch.zeros(3, 8), a, b, order, slots, offsets, ranks, blocks)
+        kernel.sgmv(torch.zeros(3, 6), torch.zeros(3, 8), a, b, order, slots, offsets, ranks, blocks,
+                    torch.empty(0))

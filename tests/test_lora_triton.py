@@ -43,7 +43,7 @@ def test_kernels_compile_for_an_h200(kernel: str) -> None:
 
     fn = getattr(lora_triton, kernel)
     pointers = {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "out_ptr": "*fp32",
-                "shrunk_ptr": "*fp32"}
+                "shrunk_ptr": "*fp32", "scales_ptr": "*fp32"}
     blocks = {"BLOCK_M": lora_triton.BLOCK_M, "BLOCK_R": lora_triton.BLOCK_R, "BLOCK_K": 128, "BLOCK_N": 128}
     constexprs = {name: blocks[name] for name in fn.arg_names if name in blocks}
     signature = {name: "constexpr" if name in constexprs else pointers.get(name, "*i32" if name.endswith("_ptr")

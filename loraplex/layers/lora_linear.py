@@ -199,9 +199,11 @@ class LoRALinear(nn.Module):
         else:
             from loraplex.ops.lora_triton import add_lora_triton  # lazy: importing Triton picks JIT or interpreter
 
-            self.step_buffers.prepare(lora)  # refilled once per step (the first layer); version checked
-            add_lora_triton(y, x, self.lora_a, self.lora_b, self.slot_ranks_dev, self.slot_blocks_dev,
-                            self.step_buffers, block_width=max(self.out_features))
+            for part in (lora, *lora.more):  # a plan of several passes refills the buffers per pass
+                if part.has_lora:
+                    self.step_buffers.prepare(part)  # refilled once per step (the first layer); version checked
+                    add_lora_triton(y, x, self.lora_a, self.lora_b, self.slot_ranks_dev, self.slot_blocks_dev,
+                                    self.step_buffers, block_width=max(self.out_features))
         if self.dora_slots and not self.dora_slots.isdisjoint(lora.group_slots):
             self._rescale_dora_rows(y, lora)
         return y

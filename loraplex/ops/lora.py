@@ -1,7 +1,8 @@
-"""Batched LoRA delta over a ragged batch of tokens, one adapter slot per token.
+"""Batched LoRA delta over a ragged batch of tokens, a list of (token row, slot, scale) entries.
 
-Semantics (for every slot group g with slot s and packed rank R_s > 0):
-    y[order[o_g:o_{g+1}]] += (x[order[o_g:o_{g+1}]] @ A[s, :R_s]^T) @ B[s, :, :R_s]^T
+Semantics (for every pass of the plan, and in it every slot group g with slot s and packed rank R_s > 0;
+c_i = ``token_scales[order[i]]``, 1 when the pass has no scales):
+    y[order[i]] += c_i * (x[order[i]] @ A[s, :R_s]^T) @ B[s, :, :R_s]^T    for i in o_g..o_{g+1}-1
 Tokens with slot -1 are untouched (never written; no weight is ever indexed with -1, and slots no
 token reads are never read). B already carries the adapter's scale (alpha/r or alpha/sqrt(r)).
 Shapes: x [T, in], y [T, out] (changed in place), A [max_loras, R_max, in], B [max_loras, out, R_max],
@@ -125,20 +126,30 @@ def add_lora(
     ``method`` forces one of ``LORA_METHODS`` (default: ``batch.method``); ``cache`` memoises views.
     """
     # x: [T, in]; y: [T, out]; lora_a: [max_loras, R_max, in]; lora_b: [max_loras, out, R_max]
-    if not batch.has_lora:
-        return
-    chosen = batch.method if method is None else method
     cache = LoRACache() if cache is None else cache
+    for part in (batch, *batch.more):
+        if part.has_lora:
+            _add_pass(y, x, lora_a, lora_b, slot_ranks, part, slot_blocks, part.method if method is None else method,
+                      cache)
+
+
+def _add_pass(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+              slot_ranks: Sequence[int], batch: LoRABatch, slot_blocks: Sequence[Blocks] | None, chosen: str,
+              cache: LoRACache) -> None:
+    """One pass of the plan (at most one entry per row) by the method ``chosen``."""
     if chosen == SEGMENTS:
-        for start, end, slot in batch.runs:
+        for (start, end, slot), scale in zip(batch.runs, batch.run_scales, strict=True):
             if slot_ranks[slot]:
-                _add_slot(y[start:end], x[start:end], lora_a, lora_b, slot, slot_ranks, slot_blocks, cache)
+                _add_slot(y[start:end], x[start:end], lora_a, lora_b, slot, slot_ranks, slot_blocks, cache, scale)
     elif chosen == GROUPED:
+        scales = batch.entry_scales
         for g, slot in enumerate(batch.group_slots):
             if slot_ranks[slot]:
-                rows = batch.order[batch.group_offsets[g] : batch.group_offsets[g + 1]]  # [n_g]
+                lo, hi = batch.group_offsets[g], batch.group_offsets[g + 1]
+                rows = batch.order[lo:hi]  # [n_g]
                 y.index_add_(0, rows, _slot_delta(x.index_select(0, rows), lora_a, lora_b, slot, slot_ranks,
-                                                  slot_blocks, cache, y.shape[1]))
+                                                  slot_blocks, cache, y.shape[1],
+                                                  None if scales is None else scales[lo:hi, None]))
     elif chosen == PADDED:
         _add_padded(y, x, lora_a, lora_b, slot_ranks, batch, slot_blocks, cache)
     else:
@@ -146,21 +157,28 @@ def add_lora(
 
 
 def _add_slot(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slot: int,
-              slot_ranks: Sequence[int], slot_blocks: Sequence[Blocks] | None, cache: LoRACache) -> None:
-    """``y += (x @ A_s^T) @ B_s^T`` for rows that all read ``slot``; y [n, out], x [n, in] (views are fine)."""
+              slot_ranks: Sequence[int], slot_blocks: Sequence[Blocks] | None, cache: LoRACache,
+              scale: float = 1.0) -> None:
+    """``y += scale * (x @ A_s^T) @ B_s^T`` for rows that all read ``slot``; y [n, out], x [n, in] (views are fine)."""
     blocks, a_t, b_ts = _slot_weights(lora_a, lora_b, slot, slot_ranks, slot_blocks, cache, x.shape[0], y.shape[1],
                                       x.dtype)
     shrunk = x @ a_t  # [n, R_s]
+    if scale != 1.0:
+        shrunk.mul_(scale)
     for (o_lo, o_hi, r_lo, r_hi), b_t in zip(blocks, b_ts, strict=True):
         if r_hi > r_lo:
             y[:, o_lo:o_hi].addmm_(shrunk[:, r_lo:r_hi], b_t)
 
 
 def _slot_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slot: int, slot_ranks: Sequence[int],
-                slot_blocks: Sequence[Blocks] | None, cache: LoRACache, out: int) -> torch.Tensor:
-    """``(x @ A_s^T) @ B_s^T`` as a new ``[n, out]`` tensor, for rows x [n, in] that all read ``slot``."""
+                slot_blocks: Sequence[Blocks] | None, cache: LoRACache, out: int,
+                scales: torch.Tensor | None = None) -> torch.Tensor:
+    """``c * (x @ A_s^T) @ B_s^T`` as a new ``[n, out]`` tensor, for rows x [n, in] that all read ``slot``
+    (``scales`` c ``[n, 1]``, None: 1)."""
     blocks, a_t, b_ts = _slot_weights(lora_a, lora_b, slot, slot_ranks, slot_blocks, cache, x.shape[0], out, x.dtype)
     shrunk = x @ a_t  # [n, R_s]
+    if scales is not None:
+        shrunk.mul_(scales.to(shrunk.dtype))
     if len(blocks) == 1:
         return shrunk @ b_ts[0]
     return torch.cat([shrunk[:, r_lo:r_hi] @ b_t for (_, _, r_lo, r_hi), b_t in zip(blocks, b_ts, strict=True)], 1)
@@ -203,13 +221,17 @@ def _add_padded(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     if layout.contiguous is not None:  # x and y through views; the expand accumulates into y in place
         lo, hi = layout.contiguous
         shrunk = torch.bmm(x[lo:hi].reshape(g, m, -1), a_t)  # [G, M, R]
+        if layout.scales is not None:
+            shrunk.mul_(layout.scales.to(shrunk.dtype))
         out = y[lo:hi].view(g, m, -1)  # [G, M, out]
         for (o_lo, o_hi, r_lo, r_hi), b_t in zip(blocks, b_ts, strict=True):
             out[:, :, o_lo:o_hi].baddbmm_(shrunk[:, :, r_lo:r_hi], b_t)
         return
     grid = x.index_select(0, layout.rows).view(g, m, -1)
     shrunk = torch.bmm(grid, a_t)  # [G, M, R]
-    if layout.pad_mask is not None:
+    if layout.scales is not None:  # 0 at pad cells
+        shrunk.mul_(layout.scales.to(shrunk.dtype))
+    elif layout.pad_mask is not None:
         shrunk.masked_fill_(layout.pad_mask, 0.0)
     if len(b_ts) == 1:
         delta = torch.bmm(shrunk, b_ts[0])  # [G, M, out]

@@ -1,14 +1,15 @@
 // Batched LoRA shrink + expand over a step's slot groups (built by loraplex/ops/lora_sgmv.py). Semantics, for
 // each slot group g (slot s = group_slots[g], packed rank R = slot_ranks[s] > 0, rows i in order[group_offsets[g] :
 // group_offsets[g + 1]]) and each B block (o_lo, o_hi, r_lo, r_hi) of slot_blocks[s] with r_hi > r_lo:
-//   t[i, r] = x[i] . A[s, r, :]                                   r in [0, R)
+//   t[i, r] = c_i * (x[i] . A[s, r, :])                           r in [0, R)  (c_i = entry_scales[i], or 1 when empty)
 //   y[i, o_lo:o_hi] += sum_{r in [r_lo, r_hi)} t[i, r] * B[s, o_lo:o_hi, r]
 // Rows in no group are never read or written; slots in no group are never read. Each block's delta is
 // summed in registers and added to y once (y + delta, as the torch ops do).
 // x [T, in], y [T, out] float32 with unit inner strides (any row strides; y changed in place), A [L, R_max, in]
 // with unit inner stride, B [L, out, R_max] with unit stride over out (loraplex keeps B rank-major), A and B both
 // float32 or both bfloat16 (widened to float32 as read, sums in float32), order [T_lora] / group_slots [G] /
-// group_offsets [G + 1] int64, slot_ranks [L] int32, slot_blocks [L, P, 4] int32 (blocks with r_hi == r_lo skipped).
+// group_offsets [G + 1] int64, slot_ranks [L] int32, slot_blocks [L, P, 4] int32 (blocks with r_hi == r_lo skipped),
+// entry_scales [T_lora] float32 aligned with order, or empty.
 // Each adapter's A and B are read from memory once per group of rows (up to 4 rows in registers; a larger group
 // reads them again, from cache, per 4 rows): the shrink walks A's rank rows a few at a time, the expand walks a
 // block's columns a tile at a time across its rank rows, and a Prefetcher keeps 16 KiB of what comes next (this
@@ -177,10 +178,14 @@ struct Slot {
 };
 
 // NR rows of one group; ``pf`` (null when another chunk of the group's rows read its weights) is told what is read
+// ``sc`` (null: every scale 1) holds the NR rows' entry scales, applied to their shrunk vectors
 template <int NR, typename W>
 void group_rows(float* const* y, const float* const* x, const Slot<W>& s, int64_t as, int64_t bs, int64_t in,
-                int64_t num_blocks, float* t, Prefetcher<W>* pf) {
+                int64_t num_blocks, float* t, Prefetcher<W>* pf, const float* sc) {
   shrink_rows<NR>(x, s.a, as, in, s.rank, t, pf);
+  if (sc != nullptr)
+    for (int i = 0; i < NR; ++i)
+      for (int64_t r = 0; r < s.rank; ++r) t[i * s.rank + r] *= sc[i];
   for (int64_t p = 0; p < num_blocks; ++p) {
     const int32_t* blk = s.blocks + 4 * p;
     if (blk[3] > blk[2])
@@ -192,7 +197,7 @@ void group_rows(float* const* y, const float* const* x, const Slot<W>& s, int64_
 template <typename W>
 void sgmv_as(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& lora_a, const torch::Tensor& lora_b,
              const torch::Tensor& order, const torch::Tensor& group_slots, const torch::Tensor& group_offsets,
-             const torch::Tensor& slot_ranks, const torch::Tensor& slot_blocks) {
+             const torch::Tensor& slot_ranks, const torch::Tensor& slot_blocks, const torch::Tensor& entry_scales) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.stride(1) == 1 && y.stride(1) == 1,
               "sgmv: x [T, in] and y [T, out] with unit inner strides");
   TORCH_CHECK(lora_a.dim() == 3 && lora_b.dim() == 3 && lora_a.size(2) == x.size(1) && lora_b.size(1) == y.size(1) &&
@@ -213,6 +218,10 @@ void sgmv_as(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& lora
   const int32_t* ranks = slot_ranks.data_ptr<int32_t>();
   const int32_t* blocks = slot_blocks.data_ptr<int32_t>();
   TORCH_CHECK(go[0] >= 0 && go[num_groups] <= order.size(0), "sgmv: group offsets past the order");
+  TORCH_CHECK(entry_scales.numel() == 0 || (entry_scales.scalar_type() == at::kFloat && entry_scales.is_contiguous() &&
+                                            entry_scales.numel() == order.size(0)),
+              "sgmv: entry scales empty, or float32 [T_lora] in the order's order");
+  const float* esc = entry_scales.numel() == 0 ? nullptr : entry_scales.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t as = lora_a.stride(1), bs = lora_b.stride(2), xs = x.stride(0), ys = y.stride(0);
@@ -261,11 +270,12 @@ void sgmv_as(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& lora
         const float* xr[kMaxRows];
         float* yr[kMaxRows];
         for (int i = 0; i < n; ++i) xr[i] = xp + ord[lo + i] * xs, yr[i] = yp + ord[lo + i] * ys;
+        const float* sc = esc == nullptr ? nullptr : esc + lo;
         switch (n) {
-          case 1: group_rows<1>(yr, xr, slot, as, bs, in, num_blocks, t.data(), pf); break;
-          case 2: group_rows<2>(yr, xr, slot, as, bs, in, num_blocks, t.data(), pf); break;
-          case 3: group_rows<3>(yr, xr, slot, as, bs, in, num_blocks, t.data(), pf); break;
-          default: group_rows<4>(yr, xr, slot, as, bs, in, num_blocks, t.data(), pf); break;
+          case 1: group_rows<1>(yr, xr, slot, as, bs, in, num_blocks, t.data(), pf, sc); break;
+          case 2: group_rows<2>(yr, xr, slot, as, bs, in, num_blocks, t.data(), pf, sc); break;
+          case 3: group_rows<3>(yr, xr, slot, as, bs, in, num_blocks, t.data(), pf, sc); break;
+          default: group_rows<4>(yr, xr, slot, as, bs, in, num_blocks, t.data(), pf, sc); break;
         }
       }
     }
@@ -276,15 +286,15 @@ void sgmv_as(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& lora
 
 void sgmv(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& lora_a, const torch::Tensor& lora_b,
           const torch::Tensor& order, const torch::Tensor& group_slots, const torch::Tensor& group_offsets,
-          const torch::Tensor& slot_ranks, const torch::Tensor& slot_blocks) {
+          const torch::Tensor& slot_ranks, const torch::Tensor& slot_blocks, const torch::Tensor& entry_scales) {
   const auto w = lora_a.scalar_type();
   TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat && lora_b.scalar_type() == w &&
               (w == at::kFloat || w == at::kBFloat16), "sgmv: float32 x and y, A and B both float32 or bfloat16");
   (w == at::kFloat ? sgmv_as<float> : sgmv_as<uint16_t>)(y, x, lora_a, lora_b, order, group_slots, group_offsets,
-                                                         slot_ranks, slot_blocks);
+                                                         slot_ranks, slot_blocks, entry_scales);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("sgmv", &sgmv, "y[rows of each slot group] += (x[rows] @ A_s^T) @ B_s^T, block by block, in place "
+  m.def("sgmv", &sgmv, "y[rows of each slot group] += c_row (x[rows] @ A_s^T) @ B_s^T, block by block, in place "
         "(A, B float32 or bfloat16)");
 }

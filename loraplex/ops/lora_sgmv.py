@@ -2,8 +2,9 @@
 
 Semantics: those of ``loraplex.ops.lora.add_lora`` (each slot group at its slot's own rank, B block by
 block, rows with slot -1 untouched bit for bit, slots no group reads never read), computed as
-    y[order[o_g:o_{g+1}]] += (x[order[o_g:o_{g+1}]] @ A[s_g, :R]^T) @ B[s_g, :, :R]^T
-in one call per layer: each group's rows are read from x and written to y where they are (no gather,
+    y[order[i]] += c_i * (x[order[i]] @ A[s_g, :R]^T) @ B[s_g, :, :R]^T    for i in o_g..o_{g+1}-1
+(c = ``batch.entry_scales``, 1 without scales) in one call per pass of the plan:
+each group's rows are read from x and written to y where they are (no gather,
 scatter or padding), and the slot's A and B are read once for the group (the rows are computed four at
 a time in registers against them). The groups are split evenly across torch's threads (a row is in one
 group, which the kernel checks; each group is summed alike whatever the split, so y is the same bit for bit
@@ -35,6 +36,7 @@ from loraplex.ops.lora_batch import LoRABatch
 
 _SOURCE = Path(__file__).with_name("lora_sgmv.cpp")
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)  # the adapter weight dtypes the kernel reads
+_NO_SCALES = torch.empty(0, dtype=torch.float32)  # the kernel's "every entry scale is 1"
 
 
 # The kernel's builds: name -> compiler flags (the source picks 16- or 8-lane vectors from ``__AVX512F__``).
@@ -82,5 +84,7 @@ def add_lora_sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b
     if not takes(y, x, lora_a, lora_b):
         add_lora(y, x, lora_a, lora_b, slot_ranks, batch, slot_blocks=slot_blocks, cache=cache)
         return
-    kernel().sgmv(y, x, lora_a, lora_b, batch.order, batch.slots_tensor, batch.offsets_tensor, slot_ranks_table,
-                  slot_blocks_table)
+    for part in (batch, *batch.more):
+        scales = part.entry_scales
+        kernel().sgmv(y, x, lora_a, lora_b, part.order, part.slots_tensor, part.offsets_tensor, slot_ranks_table,
+                      slot_blocks_table, _NO_SCALES if scales is None else scales)

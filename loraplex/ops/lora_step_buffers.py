@@ -6,7 +6,8 @@ tensor a LoRA kernel reads must live at a fixed address and be refilled *in plac
 - ``LoRAStepBuffers`` holds the step's slot groups (``LoRABatch.order``, ``group_slots``,
   ``group_offsets``) in device buffers sized for the largest step (``max_tokens`` token rows,
   ``max_loras`` groups). ``fill(batch)`` overwrites them and *empties the tail* (rows -1, groups -1,
-  offsets = the step's LoRA token count), so a replay launched over the whole capacity reads nothing
+  offsets = the step's LoRA token count; ``scales``, each row's entry scale, 1 where the batch has none),
+  so a replay launched over the whole capacity reads nothing
   that a longer earlier step left behind.
 - It records the slot-table version the buffers were filled from; ``check(version)`` raises
   ``StaleLoRAIndices`` unless it equals the version the reader is about to serve (the seed's
@@ -42,6 +43,7 @@ class LoRAStepBuffers:
             raise ValueError(f"need max_tokens >= 1 and max_loras >= 1, got {max_tokens}, {max_loras}")
         self.max_tokens, self.max_loras = max_tokens, max_loras
         self.rows = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)  # [max_tokens] sorted by slot
+        self.scales = torch.ones(max_tokens, dtype=torch.float32, device=device)  # [max_tokens] entry scales
         self.group_slots = torch.full((max_loras,), -1, dtype=torch.int32, device=device)  # [max_loras]
         self.group_starts = torch.zeros(max_loras + 1, dtype=torch.int32, device=device)  # [max_loras + 1]
         self.batch: LoRABatch | None = None  # what the buffers hold now (None: nothing yet)
@@ -57,6 +59,11 @@ class LoRAStepBuffers:
                              f"capacity of {self.max_tokens} tokens and {self.max_loras} groups")
         self.rows[:n].copy_(batch.order)
         self.rows[n:].fill_(-1)
+        if batch.entry_scales is None:
+            self.scales.fill_(1.0)
+        else:
+            self.scales[:n].copy_(batch.entry_scales)
+            self.scales[n:].fill_(1.0)
         tables = torch.full((2 * self.max_loras + 1,), -1, dtype=torch.int32)  # [slots | starts], host
         tables[:g] = torch.tensor(batch.group_slots, dtype=torch.int32)
         tables[self.max_loras :].fill_(n)

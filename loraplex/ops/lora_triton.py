@@ -3,7 +3,7 @@
 Semantics (the same op as ``loraplex.ops.lora.add_lora``): for every slot group g with slot s and
 packed rank R_s > 0, and every block p of that slot ``(o_lo, o_hi, r_lo, r_hi)``:
     shrunk[i, :R_s]  = x[rows[i]] @ A[s, :R_s]^T                         (shrink, fp32)
-    y[rows[i], o_lo:o_hi] += shrunk[i, r_lo:r_hi] @ B[s, o_lo:o_hi, r_lo:r_hi]^T   (expand)
+    y[rows[i], o_lo:o_hi] += scales[i] * shrunk[i, r_lo:r_hi] @ B[s, o_lo:o_hi, r_lo:r_hi]^T   (expand)
 for i in ``group_starts[g] <= i < group_starts[g+1]``. Rows with slot -1 are in no group and are
 never loaded or stored (bit for bit untouched); no slot outside ``group_slots`` is read.
 Shapes: x [T, in], y [T, out] (changed in place; any strides), A [max_loras, R_max, in],
@@ -68,7 +68,7 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, group_slots_ptr, group_start
 
 
 @triton.jit
-def _expand_kernel(shrunk_ptr, b_ptr, y_ptr, rows_ptr, group_slots_ptr, group_starts_ptr, blocks_ptr,
+def _expand_kernel(shrunk_ptr, b_ptr, y_ptr, rows_ptr, scales_ptr, group_slots_ptr, group_starts_ptr, blocks_ptr,
                    s_shrunk, sb_s, sb_o, sb_r, sy_t, sy_o, num_blocks, tiles_per_block,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m, g, pid_pn = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -96,6 +96,7 @@ def _expand_kernel(shrunk_ptr, b_ptr, y_ptr, rows_ptr, group_slots_ptr, group_st
         bv = tl.load(b_base + o[None, :] * sb_o + r[:, None] * sb_r,
                      mask=(r[:, None] < r_hi) & (o[None, :] < o_hi), other=0.0)  # [BR, BN] = B block^T tile
         acc += tl.dot(sv, bv.to(tl.float32), input_precision="ieee")
+    acc = acc * tl.load(scales_ptr + pos, mask=pos < end, other=0.0)[:, None]  # each entry's scale
     y_at = y_ptr + row[:, None] * sy_t + o[None, :] * sy_o
     mask = (row[:, None] >= 0) & (o[None, :] < o_hi)
     y_old = tl.load(y_at, mask=mask, other=0.0)
@@ -132,7 +133,7 @@ def add_lora_triton(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora
     block_n = max(16, min(triton.next_power_of_2(widest), 128))
     tiles_per_block = triton.cdiv(widest, block_n)
     _expand_kernel[(tiles_m, groups, num_blocks * tiles_per_block)](
-        shrunk, lora_b, y, buffers.rows, buffers.group_slots, buffers.group_starts, slot_blocks,
+        shrunk, lora_b, y, buffers.rows, buffers.scales, buffers.group_slots, buffers.group_starts, slot_blocks,
         shrunk.stride(0), *lora_b.stride(), y.stride(0), y.stride(1), num_blocks, tiles_per_block,
         BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_N=block_n)
 
