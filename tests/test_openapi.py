@@ -59,15 +59,6 @@ def test_schema_documents_statuses_and_ranges(url: str) -> None:
     assert "best_of" in props and "tools" in schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
 
 
-def test_every_operation_has_its_own_id(url: str) -> None:
-    """Code generators (openapi-generator, the playground's client) name one function per operationId:
-    a shared id (one handler under two methods) makes them overwrite one with the other."""
-    schema = httpx.get(f"{url}/openapi.json").json()
-    ids = [op["operationId"] for path in schema["paths"].values() for op in path.values() if "operationId" in op]
-    assert len(ids) > 10
-    assert sorted(ids) == sorted(set(ids)), [i for i in set(ids) if ids.count(i) > 1]
-
-
 def test_schemathesis_finds_no_mismatch(url: str, model: Path, tmp_path: Path) -> None:
     """Bounded: a fixed seed, at most 8 fuzzed examples per operation besides the coverage phase's boundary
     values (about 1,700 requests)."""

@@ -198,10 +198,15 @@ def test_engine_death_ends_open_requests_then_sigterm_leaves_nothing(server: Ser
     assert '"error"' in rest[-2] and rest[-1] == "data: [DONE]", rest[-3:]
     assert json.loads(rest[-2][6:])["error"]["code"] == 503
     r = httpx.get(f"{server.url}/health")
-    assert (r.status_code, r.json()["status"]) == (503, "dead")
+    assert (r.status_code, r.json()["status"]) == (503, "restarting")  # the engine restarts (issue 30)
     r = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False})
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable", r.text
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{server.url}/health").status_code != 200:
+        assert time.monotonic() < deadline, server.log.read_text()
+        time.sleep(0.2)
+    children = psutil.Process(server.proc.pid).children(recursive=True)  # the new engine among them
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(timeout=60) == 0, server.log.read_text()
-    _, alive = psutil.wait_procs(server.children, timeout=30)
+    _, alive = psutil.wait_procs([*server.children, *children], timeout=30)
     assert not alive, f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"

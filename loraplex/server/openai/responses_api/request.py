@@ -16,8 +16,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from loraplex.engine.sampling.params import TEMPERATURE_MAX
 from loraplex.errors import RequestError
-from loraplex.server.openai.protocol import Int, _Body
+from loraplex.server.openai.protocol import Int, _Body, ranged
 
 RESPONSES_UNIMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "background": ((None, False), "background responses are not implemented"),
@@ -77,8 +78,8 @@ class ResponsesRequest(_Body):
     parallel_tool_calls: bool | None = None
     text: TextOptions | None = None
     max_output_tokens: Int | None = Field(None, json_schema_extra={"minimum": 1})
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = ranged(minimum=0, maximum=TEMPERATURE_MAX)  # the chat body's ranges
+    top_p: float | None = ranged(exclusiveMinimum=0, maximum=1)
     seed: Int | None = None
     stream: bool | None = False
     store: bool | None = True
