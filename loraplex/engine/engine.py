@@ -37,7 +37,7 @@ from loraplex.engine.sampling.structured.compiler import GrammarCompilers
 from loraplex.engine.sampling.structured.waiting import GrammarWaitlist
 from loraplex.engine.scheduler.admission import WaitingBound
 from loraplex.engine.scheduler.block_manager import BlockManager
-from loraplex.engine.scheduler.scheduler import ScheduledRequest, Scheduler
+from loraplex.engine.scheduler.scheduler import ScheduledRequest, Scheduler, step_mapping
 from loraplex.engine.stats import EngineStats, collect_stats
 from loraplex.engine.wire import EngineInfo
 from loraplex.errors import EngineStepFailed, LoraplexError
@@ -47,7 +47,6 @@ from loraplex.models.fingerprint import checkpoint_fingerprint
 from loraplex.models.loader import load_model
 from loraplex.models.registry import model_config
 from loraplex.ops.lora import resolve_lora_kernels
-from loraplex.ops.lora_batch import BatchMapping
 
 logger = logging.getLogger(__name__)
 
@@ -260,8 +259,7 @@ class Engine:
         entries = [StepEntry(tuple(s.request.all_token_ids[s.start:s.start + s.num_tokens]), s.start,
                              tuple(s.request.block_table), needs_prompt_rows(s.request, s.start, s.num_tokens))
                    for s in batch]
-        mapping = BatchMapping.from_sequences([(s.request.version_id, s.num_tokens) for s in batch],
-                                              [s.request.plan for s in batch])
+        mapping = step_mapping(batch)
         lora = self.adapters.lora_batch(mapping)
         if self.config.debug_checks:
             check_right_weights(self.adapters, mapping, lora)

@@ -118,6 +118,8 @@ class RequestIntake:
             if item.plan is not None:
                 check_members(item.plan, held)
             request = self._build(item, "+".join(info.name for info in held) or None, members[0] if members else None)
+            if held and held[0].alora_invocation_tokens is not None:
+                request.alora_start = self._invocation_point(held[0], request.prompt_token_ids)
         except BaseException:
             for info in held:
                 self.adapters.release_hold(info.version_id)
@@ -125,6 +127,17 @@ class RequestIntake:
         request.holds_version = bool(held)
         request.tenant, request.priority = tags.tenant, tags.priority
         return request
+
+    @staticmethod
+    def _invocation_point(info: AdapterInfo, token_ids: list[int]) -> int:
+        """Where an aLoRA adapter's delta starts in a prompt: the start of the last occurrence of its invocation
+        tokens (PEFT's rule); ``RequestError`` on the prompt when they do not occur."""
+        tokens = info.alora_invocation_tokens or ()
+        for start in range(len(token_ids) - len(tokens), -1, -1):
+            if token_ids[start] == tokens[0] and token_ids[start:start + len(tokens)] == list(tokens):
+                return start
+        raise RequestError(f"adapter {info.name!r} is an activated LoRA: its prompt must contain its invocation "
+                           f"sequence (alora_invocation_tokens {list(tokens)[:16]}), which it does not", "prompt")
 
     def release(self, request: Request) -> None:
         """Release the holds of a request that will never be queued."""

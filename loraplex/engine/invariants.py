@@ -50,7 +50,8 @@ def check_right_kv(blocks: BlockManager, running: Sequence[Request], scheduled: 
     reads only blocks of its own version and chain."""
     blocks.check_integrity([r.block_table for r in running])
     for request in scheduled:
-        blocks.check_sequence(request.block_table, request.block_keys, request.kv_owner)
+        blocks.check_sequence(request.block_table, request.block_keys, request.kv_owner,
+                              request.base_blocks(blocks.block_size))
 
 
 def keys_hold_all_kv_inputs(model: nn.Module, max_model_len: int) -> bool:

@@ -120,6 +120,12 @@ class Request:
     first_token_time: float | None = None
     prefix_cached_tokens: int = 0
     plan: Plan | None = None  # its LoRA plan when it is not ``version_id`` at scale 1 (``NewRequest.plan``)
+    alora_start: int | None = None  # an aLoRA adapter's invocation point: positions before it use the base weights
+
+    def base_blocks(self, block_size: int) -> int:
+        """How many leading KV blocks hold base-model K/V only (every position before the aLoRA invocation point):
+        they key and are shared as the base model's (``block_hash``); 0 without an aLoRA adapter."""
+        return 0 if self.alora_start is None else self.alora_start // block_size
 
     @property
     def members(self) -> tuple[int, ...]:

@@ -56,10 +56,13 @@ def block_key(parent: bytes, token_ids: Sequence[int], version_id: KVOwner) -> b
     return h.digest()
 
 
-def extend_chain(keys: list[bytes], token_ids: Sequence[int], version_id: KVOwner, block_size: int) -> list[bytes]:
+def extend_chain(keys: list[bytes], token_ids: Sequence[int], version_id: KVOwner, block_size: int,
+                 base_blocks: int = 0) -> list[bytes]:
     """Append to ``keys`` (the keys of ``token_ids``' first ``len(keys)`` blocks) the keys of its
-    remaining full blocks; returns ``keys``. A partial last block has no key."""
+    remaining full blocks; returns ``keys``. A partial last block has no key. The first ``base_blocks`` blocks
+    key as the base model's (an aLoRA request's blocks before its invocation point: their K/V are the base's)."""
     for i in range(len(keys), len(token_ids) // block_size):
         parent = keys[i - 1] if i else ROOT
-        keys.append(block_key(parent, token_ids[i * block_size:(i + 1) * block_size], version_id))
+        owner = None if i < base_blocks else version_id
+        keys.append(block_key(parent, token_ids[i * block_size:(i + 1) * block_size], owner))
     return keys

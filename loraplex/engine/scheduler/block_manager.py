@@ -106,10 +106,13 @@ class BlockManager:
         reused = sum(1 for b in prefix.blocks if self._refs[b] == 0) if prefix else 0
         return 0 <= n and n + reused <= self.num_free
 
-    def allocate(self, n: int, version_id: KVOwner, prefix: PrefixMatch | None = None) -> list[int]:
+    def allocate(self, n: int, version_id: KVOwner, prefix: PrefixMatch | None = None, first: int = 0,
+                 base_blocks: int = 0) -> list[int]:
         """A block table: ``prefix``'s blocks (one more reference each) then ``n`` fresh blocks written by
         a sequence of ``version_id``, evicting cached blocks when no free one is left. Counts the lookup.
-        Raises ``RuntimeError`` if ``can_allocate(n, prefix)`` is false."""
+        The fresh blocks sit at the sequence's block indices from ``first`` + the prefix's length on; those
+        below ``base_blocks`` are written as the base model's (an aLoRA sequence's blocks before its
+        invocation point). Raises ``RuntimeError`` if ``can_allocate(n, prefix)`` is false."""
         if not self.can_allocate(n, prefix):
             raise RuntimeError(f"cannot allocate {n} KV blocks: {self.num_free} of {self.num_total} free")
         if prefix is not None and prefix.version_id != version_id:
@@ -120,9 +123,9 @@ class BlockManager:
                 del self._cached[b]
             self._refs[b] += 1
         fresh = [self._free.pop() if self._free else self._evict() for _ in range(n)]
-        for b in fresh:
+        for k, b in enumerate(fresh):
             self._refs[b] = 1
-            self._versions[b] = version_id
+            self._versions[b] = None if first + len(shared) + k < base_blocks else version_id
         if prefix is not None and self.caching:
             for c in (self.totals, self._by_version.setdefault(version_id, PrefixCounts())):
                 c.queried_tokens += prefix.queried_tokens
@@ -195,11 +198,13 @@ class BlockManager:
         """Lookup counters per owner (an adapter version, None = base, or a plan) not retired; a copy."""
         return {v: PrefixCounts(c.queried_tokens, c.hit_tokens) for v, c in self._by_version.copy().items()}
 
-    def check_sequence(self, block_table: Sequence[int], keys: Sequence[bytes], version_id: KVOwner) -> None:
+    def check_sequence(self, block_table: Sequence[int], keys: Sequence[bytes], version_id: KVOwner,
+                       base_blocks: int = 0) -> None:
         """Debug check: every block of a sequence of ``version_id`` (chain ``keys``) is referenced, was
-        written under that version, and if keyed, holds the key of its place in the chain."""
+        written under that version (its first ``base_blocks`` under the base model's), and if keyed, holds
+        the key of its place in the chain."""
         for i, b in enumerate(block_table):
-            if self._refs[b] < 1 or self._versions[b] != version_id:
+            if self._refs[b] < 1 or self._versions[b] != (None if i < base_blocks else version_id):
                 raise AssertionError(f"block {i} (#{b}) of a sequence of adapter version {version_id} holds K/V of "
                                      f"version {self._versions[b]} (references {self._refs[b]})")
             if self._keys[b] is not None and i < len(keys) and self._keys[b] != keys[i]:

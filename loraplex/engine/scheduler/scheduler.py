@@ -44,10 +44,11 @@ from dataclasses import dataclass
 
 from loraplex.adapters.manager import AdapterManager
 from loraplex.config import EngineConfig
-from loraplex.engine.request import Request, RequestStatus
+from loraplex.engine.request import Plan, Request, RequestStatus
 from loraplex.engine.scheduler.block_hash import extend_chain
 from loraplex.engine.scheduler.block_manager import BlockManager
 from loraplex.engine.scheduler.fair_share import FairShare
+from loraplex.ops.lora_batch import BatchMapping
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,22 @@ class ScheduledRequest:
         """Whether a token is drawn for it this step (prefill complete and ``max_tokens > 0``; a request
         with ``max_tokens == 0`` only computes its prompt, e.g. to score it)."""
         return self.prompt_complete and self.request.params.max_tokens > 0
+
+
+def step_mapping(batch: Sequence[ScheduledRequest]) -> BatchMapping:
+    """What each token of the step asks for, in batch order: its request's version or LoRA plan, except an aLoRA
+    request's positions before its invocation point (``Request.alora_start``), which read the base weights."""
+    seqs: list[tuple[int | None, int]] = []
+    plans: list[Plan | None] = []
+    for s in batch:
+        request = s.request
+        before = 0 if request.alora_start is None else max(0, min(request.alora_start - s.start, s.num_tokens))
+        if before:
+            seqs.append((None, before))
+            plans.append(None)
+        seqs.append((request.version_id, s.num_tokens - before))
+        plans.append(request.plan)
+    return BatchMapping.from_sequences(seqs, plans)
 
 
 class Scheduler:
@@ -157,7 +174,8 @@ class Scheduler:
                 if not self._acquire_members(request):
                     blocked = blocked or strict
                     continue
-            request.block_table = self.allocator.allocate(blocks, request.kv_owner, prefix)
+            request.block_table = self.allocator.allocate(blocks, request.kv_owner, prefix,
+                                                          base_blocks=request.base_blocks(self.config.block_size))
             request.num_computed_tokens = start
             self._key_filled_blocks(request, start, n)
             self.fair_share.charge_tokens(request, start, n)
@@ -221,7 +239,8 @@ class Scheduler:
         """The keys of the request's full blocks (its prompt and outputs), computed once each; empty when
         prefix caching is off."""
         if self.allocator.caching and len(request.block_keys) < request.num_tokens // self.config.block_size:
-            extend_chain(request.block_keys, request.all_token_ids, request.kv_owner, self.config.block_size)
+            extend_chain(request.block_keys, request.all_token_ids, request.kv_owner, self.config.block_size,
+                         request.base_blocks(self.config.block_size))
         return request.block_keys
 
     def _key_filled_blocks(self, request: Request, start: int, n: int) -> None:
@@ -245,7 +264,8 @@ class Scheduler:
                 return False
             self.preempt(victims[0])
         if need > 0:
-            request.block_table += self.allocator.allocate(need, request.kv_owner)
+            request.block_table += self.allocator.allocate(need, request.kv_owner, first=len(request.block_table),
+                                                           base_blocks=request.base_blocks(self.config.block_size))
         return True
 
     def update(self, scheduled: Sequence[ScheduledRequest], tokens: Sequence[int]) -> list[Request]:

@@ -105,8 +105,11 @@ class _SamplingFields(StructuredFields, _Body):
     priority: Int | None = None  # lower is admitted first, within the caller's tenant (fair share across)
     # per-request LoRA plans (client/adapter_mix.py): the named adapter's delta times lora_scale (None: 1), or, with
     # ``model`` the base model's name, the sum of every listed adapter's delta times its scale
-    lora_scale: float | None = ranged(minimum=0)
-    adapter_mix: list[AdapterMixEntry] | None = Field(None, json_schema_extra={"minItems": 1})
+    lora_scale: float | None = Field(None, json_schema_extra={"minimum": 0}, description=(
+        "Scales the delta of the adapter named by model (default 1); 400 with the base model as model."))
+    adapter_mix: list[AdapterMixEntry] | None = Field(None, json_schema_extra={"minItems": 1}, description=(
+        "Blends loaded adapters, each delta times its scale, with model the base model's name: at most "
+        "--max-adapters-per-request entries sharing one tokenizer (400 otherwise; 404 for an unknown name)."))
 
     def _params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """The body's ``SamplingParams``; their ranges are checked once, by the engine, when the request is
