@@ -130,3 +130,34 @@ def test_unscalable_adapters_and_other_tokenizers_are_refused(tiny_llama: Path, 
         with pytest.raises(RequestError) as info:
             llm.generate(batch, GREEDY, adapters=AdapterMix(mix), use_tqdm=False)
         assert info.value.param == field, mix
+
+
+def test_a_blend_waits_for_all_its_slots_and_never_runs_short(tiny_llama: Path, adapters: dict[str, Path]) -> None:
+    """2 slots; a long plain request holds one. A 2-adapter blend cannot take both: it waits, holding no slot
+    pin (all or nothing), while a base request and another request of the running adapter go ahead; once the
+    long request ends it runs, on both members, and equals PEFT's blend."""
+    from loraplex.engine.request import NewRequest
+    from tests.engine_harness import Progress, gather, run_to_end
+
+    llm = LLM(model=str(tiny_llama), max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=128,
+              block_size=4, debug_checks=True)
+    for name in ("r8_all", "r4_attn", "r16_mlp"):
+        llm.load_adapter(name, adapters[name])
+    engine, versions = llm.engine, {n: llm.engine.adapters.resolve(n) for n in ("r8_all", "r4_attn", "r16_mlp")}
+    batch = prompts(3, seed=13)
+    long = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine.add_requests([NewRequest("long", batch[0], long, versions["r8_all"])])
+    results: dict[str, Progress] = {}
+    gather(engine.step(), results)  # "long" runs and pins r8_all's slot
+    mix = ((versions["r4_attn"], 0.5), (versions["r16_mlp"], 1.0))
+    engine.add_requests([NewRequest("mix", batch[1], GREEDY, None, mix), NewRequest("base", batch[2], GREEDY),
+                         NewRequest("rider", batch[2], GREEDY, versions["r8_all"])])
+    for _ in range(MAX_TOKENS + 2):
+        gather(engine.step(), results)
+        waiting = [r.request_id for r in engine.scheduler.waiting]
+        assert waiting == ["mix"] and engine.stats().slots_pinned == 1, (waiting, engine.stats())
+    assert results["base"].finished and results["rider"].finished
+    run_to_end(engine, results)
+    assert results["mix"].token_ids == with_mix(tiny_llama, [(adapters["r4_attn"], 0.5), (adapters["r16_mlp"], 1.0)],
+                                                [batch[1]], MAX_TOKENS)[0]
+    assert engine.stats().slots_pinned == 0

@@ -84,3 +84,6 @@ def test_scales_and_mixes_over_http(mode: str, tiny_llama: Path, adapters: dict[
             if param is not None:
                 assert answer.json()["error"]["param"] == param, (fields, answer.text)
         wait_until_idle(server.engine_client)
+        metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+        assert 'loraplex_requests_total{adapter="mix",status="length"}' in metrics  # one bounded label for blends
+        assert "r8_all+r16_mlp" not in metrics

@@ -15,7 +15,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from loraplex import LLM, RequestError, SamplingParams
+from loraplex import LLM, AdapterMix, RequestError, SamplingParams
 from tests.conftest import make_adapters
 from tests.reference import _base, with_adapter
 
@@ -135,3 +135,7 @@ def test_a_prompt_without_the_invocation_is_refused(tiny_llama: Path, folders: d
                      use_tqdm=False)
     assert info.value.param == "prompt" and "alora_invocation_tokens" in str(info.value)
     assert llm.stats().num_waiting == 0
+    for mix in ([("intrinsic_a", 0.5)], [("intrinsic_a", 1.0), ("r8_all", 1.0)]):  # an aLoRA is served alone
+        with pytest.raises(RequestError, match="activated LoRA"):
+            llm.generate([conversation + INVOCATIONS["intrinsic_a"]], GREEDY, adapters=AdapterMix(mix),
+                         use_tqdm=False)

@@ -9,7 +9,8 @@ runs, so a plan has at most ``max_adapters_per_request`` entries (and no more th
 Refused, as a ``RequestError`` naming ``lora_scale`` (one entry) or ``adapter_mix``: a negative or non-finite
 scale, too many entries, a version named twice; and, once the members are held (``check_members``), a member
 whose delta the plan cannot weight (``AdapterInfo.scalable``: vocabulary modules, DoRA, stacked experts read
-the step's first LoRA pass unscaled), unless it is one adapter at scale 1, and a mix of adapters that do not
+the step's first LoRA pass unscaled; an aLoRA's delta starts at its own invocation point), unless it is one
+adapter at scale 1, and a mix of adapters that do not
 share one tokenizer (its token ids would mean different things to its members).
 """
 
@@ -62,9 +63,10 @@ def check_members(plan: Plan, infos: Sequence[AdapterInfo]) -> None:
     field = plan_field(plan)
     for info, (_, scale) in zip(infos, plan, strict=True):
         if not info.scalable and not (len(plan) == 1 and scale == 1.0):
-            raise RequestError(
-                f"adapter {info.name!r} cannot be scaled or mixed: it changes embed_tokens / lm_head (LoRA, saved "
-                "or added rows), uses DoRA or adapts MoE experts, whose deltas are served at scale 1 only", field)
+            why = ("is an activated LoRA (alora_invocation_tokens), served alone" if info.alora_invocation_tokens
+                   else "changes embed_tokens / lm_head (LoRA, saved or added rows), uses DoRA or adapts MoE experts, "
+                   "whose deltas are served")
+            raise RequestError(f"adapter {info.name!r} cannot be scaled or mixed: it {why} at scale 1 only", field)
     if len(infos) > 1:
         tokenizers = {id(info.tokenizer) if info.tokenizer is not None else None for info in infos}
         if len(tokenizers) > 1 or len({info.vocab_size for info in infos}) > 1:
