@@ -115,6 +115,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-logprobs-tokens", type=positive_int, default=None, metavar="N",
                    help="the most prompt tokens a request may ask prompt_logprobs of; past it a 400 on "
                         "prompt_logprobs (default: the context length)")
+    p.add_argument("--max-adapters-per-request", type=positive_int, default=d.max_adapters_per_request, metavar="N",
+                   help="the most adapters one request may blend (adapter_mix entries; each takes a device slot "
+                        "while it runs); past it a 400 on adapter_mix (default: %(default)s)")
 
 
 def _connection_args(serve: argparse.ArgumentParser) -> None:
@@ -231,7 +234,8 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                             scheduling_policy=args.scheduling_policy, lora_dtype=args.lora_dtype,
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             max_request_output_tokens=args.max_request_output_tokens,
-                            max_prompt_logprobs_tokens=args.max_prompt_logprobs_tokens)
+                            max_prompt_logprobs_tokens=args.max_prompt_logprobs_tokens,
+                            max_adapters_per_request=args.max_adapters_per_request)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

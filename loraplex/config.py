@@ -320,6 +320,8 @@ class EngineConfig:
     max_request_output_tokens: int | None = None
     # The most prompt tokens one request may ask prompt logprobs of; None: the context length.
     max_prompt_logprobs_tokens: int | None = None
+    # The most entries one request's LoRA plan (an adapter mix) may have: each is held and pinned in a slot.
+    max_adapters_per_request: int = 4
 
     QUANTIZATIONS: ClassVar[tuple[str, ...]] = ("int8",)
     LORA_DTYPES: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
@@ -329,7 +331,7 @@ class EngineConfig:
         if self.lora_kernels not in LORA_KERNELS:
             raise ValueError(f"EngineConfig.lora_kernels must be one of {LORA_KERNELS}, got {self.lora_kernels!r}")
         for field in ("max_loras", "max_cpu_loras", "max_lora_rank", "max_num_seqs", "block_size",
-                      "max_num_batched_tokens"):
+                      "max_num_batched_tokens", "max_adapters_per_request"):
             if getattr(self, field) < 1:
                 raise ValueError(f"EngineConfig.{field} must be >= 1, got {getattr(self, field)}")
         if self.quantization is not None and self.quantization not in self.QUANTIZATIONS:

@@ -176,6 +176,8 @@ ROWS: dict[str, tuple[list[str], Observe, object]] = {
                                     lambda s: s.config.max_request_output_tokens, 999),
     "--max-prompt-logprobs-tokens": (["--max-prompt-logprobs-tokens", "33"],
                                      lambda s: s.config.max_prompt_logprobs_tokens, 33),
+    "--max-adapters-per-request": (["--max-adapters-per-request", "3"],
+                                   lambda s: s.config.max_adapters_per_request, 3),
     "--header-timeout": (["--header-timeout", "2.5"], lambda s: s.uvicorn.http.header_timeout, 2.5),
     "--timeout-keep-alive": (["--timeout-keep-alive", "7"], lambda s: s.uvicorn.timeout_keep_alive, 7),
     "--h11-max-incomplete-event-size": (["--h11-max-incomplete-event-size", "4096"],

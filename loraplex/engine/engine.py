@@ -29,7 +29,7 @@ from loraplex.engine.intake import RequestBounds, RequestIntake
 from loraplex.engine.invariants import check_right_kv, check_right_weights, keys_hold_all_kv_inputs
 from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.memory import release_free_memory
-from loraplex.engine.request import NO_TAGS, EngineOutput, NewRequest, Request, RequestTags, SamplingParams
+from loraplex.engine.request import NO_TAGS, EngineOutput, NewRequest, Plan, Request, RequestTags, SamplingParams
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.engine.sampling.logprobs import add_prompt_logprobs, needs_prompt_rows
 from loraplex.engine.sampling.sampler import nonfinite_rows, sample_rows
@@ -37,7 +37,7 @@ from loraplex.engine.sampling.structured.compiler import GrammarCompilers
 from loraplex.engine.sampling.structured.waiting import GrammarWaitlist
 from loraplex.engine.scheduler.admission import WaitingBound
 from loraplex.engine.scheduler.block_manager import BlockManager
-from loraplex.engine.scheduler.scheduler import ScheduledRequest, Scheduler
+from loraplex.engine.scheduler.scheduler import ScheduledRequest, Scheduler, step_mapping
 from loraplex.engine.stats import EngineStats, collect_stats
 from loraplex.engine.wire import EngineInfo
 from loraplex.errors import EngineStepFailed, LoraplexError
@@ -47,7 +47,6 @@ from loraplex.models.fingerprint import checkpoint_fingerprint
 from loraplex.models.loader import load_model
 from loraplex.models.registry import model_config
 from loraplex.ops.lora import resolve_lora_kernels
-from loraplex.ops.lora_batch import BatchMapping
 
 logger = logging.getLogger(__name__)
 
@@ -205,9 +204,9 @@ class Engine:
 
     # ---- requests (any thread) ----
     def add_request(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    version_id: int | None = None, tags: RequestTags = NO_TAGS) -> str:
-        """Validate and queue one request (``add_requests`` of one); returns its id."""
-        return self.add_requests([NewRequest(request_id, prompt_token_ids, params, version_id)], tags)[0]
+                    version_id: int | None = None, tags: RequestTags = NO_TAGS, plan: Plan | None = None) -> str:
+        """Validate and queue one request (``add_requests`` of one; ``plan``: ``NewRequest.plan``); returns its id."""
+        return self.add_requests([NewRequest(request_id, prompt_token_ids, params, version_id, plan)], tags)[0]
 
     def add_requests(self, items: Sequence[NewRequest], tags: RequestTags = NO_TAGS) -> list[str]:
         """Validate every ``NewRequest``, then queue them all at once, so they are admitted together (the
@@ -260,7 +259,7 @@ class Engine:
         entries = [StepEntry(tuple(s.request.all_token_ids[s.start:s.start + s.num_tokens]), s.start,
                              tuple(s.request.block_table), needs_prompt_rows(s.request, s.start, s.num_tokens))
                    for s in batch]
-        mapping = BatchMapping.from_sequences([(s.request.version_id, s.num_tokens) for s in batch])
+        mapping = step_mapping(batch)
         lora = self.adapters.lora_batch(mapping)
         if self.config.debug_checks:
             check_right_weights(self.adapters, mapping, lora)
@@ -327,9 +326,9 @@ class Engine:
         """Requests whose adapter version can no longer be served (e.g. its files changed) fail alone."""
         outputs = []
         for request in list(self.scheduler.waiting):
-            if request.version_id is None or request.pinned:  # a pinned version stays servable
+            if request.pinned:  # a pinned version stays servable
                 continue
-            error = self.adapters.failure(request.version_id)
+            error = next(filter(None, map(self.adapters.failure, request.members)), None)
             if error is not None:
                 outputs.append(self._finish(request, "error", error))
         return outputs

@@ -44,10 +44,11 @@ from dataclasses import dataclass
 
 from loraplex.adapters.manager import AdapterManager
 from loraplex.config import EngineConfig
-from loraplex.engine.request import Request, RequestStatus
+from loraplex.engine.request import Plan, Request, RequestStatus
 from loraplex.engine.scheduler.block_hash import extend_chain
 from loraplex.engine.scheduler.block_manager import BlockManager
 from loraplex.engine.scheduler.fair_share import FairShare
+from loraplex.ops.lora_batch import BatchMapping
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,22 @@ class ScheduledRequest:
         """Whether a token is drawn for it this step (prefill complete and ``max_tokens > 0``; a request
         with ``max_tokens == 0`` only computes its prompt, e.g. to score it)."""
         return self.prompt_complete and self.request.params.max_tokens > 0
+
+
+def step_mapping(batch: Sequence[ScheduledRequest]) -> BatchMapping:
+    """What each token of the step asks for, in batch order: its request's version or LoRA plan, except an aLoRA
+    request's positions before its invocation point (``Request.alora_start``), which read the base weights."""
+    seqs: list[tuple[int | None, int]] = []
+    plans: list[Plan | None] = []
+    for s in batch:
+        request = s.request
+        before = 0 if request.alora_start is None else max(0, min(request.alora_start - s.start, s.num_tokens))
+        if before:
+            seqs.append((None, before))
+            plans.append(None)
+        seqs.append((request.version_id, s.num_tokens - before))
+        plans.append(request.plan)
+    return BatchMapping.from_sequences(seqs, plans)
 
 
 class Scheduler:
@@ -145,7 +162,7 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs or budget <= 0:
                 break
             eligible = self._chain(request)[: self._reusable_tokens(request) // self.config.block_size]
-            prefix = self.allocator.match(eligible, request.version_id, request.num_tokens)
+            prefix = self.allocator.match(eligible, request.kv_owner, request.num_tokens)
             start = prefix.hit_tokens
             n = min(request.num_tokens - start, budget)
             blocks = self._blocks_for(start + n) - len(prefix.blocks)
@@ -153,16 +170,12 @@ class Scheduler:
                 break  # the cache is full for everyone behind it too
             if blocked and not self._rides_along(request):
                 continue
-            if request.version_id is not None and not request.pinned:
-                # One locked ask-and-do: a concurrent load cannot slip between the two.
-                resident = self.adapters.resident(request.version_id)
-                if self.adapters.try_acquire(request.version_id) is None:
+            if request.members and not request.pinned:
+                if not self._acquire_members(request):
                     blocked = blocked or strict
                     continue
-                request.pinned = True
-                if not resident:
-                    self.fair_share.charge_swap(request)
-            request.block_table = self.allocator.allocate(blocks, request.version_id, prefix)
+            request.block_table = self.allocator.allocate(blocks, request.kv_owner, prefix,
+                                                          base_blocks=request.base_blocks(self.config.block_size))
             request.num_computed_tokens = start
             self._key_filled_blocks(request, start, n)
             self.fair_share.charge_tokens(request, start, n)
@@ -174,9 +187,26 @@ class Scheduler:
             admitted.append(ScheduledRequest(request, start, n))
             budget -= n
         # the next pass's order (iterating it charges nothing): its cold adapters are read in the background now
-        wanted = (r.version_id for r in self._waiting_order() if r.version_id is not None and not r.pinned)
+        wanted = (v for r in self._waiting_order() if not r.pinned for v in r.members)
         self.adapters.read_ahead(wanted)
         return admitted
+
+    def _acquire_members(self, request: Request) -> bool:
+        """Pin every adapter version ``request`` reads (each takes a slot), or none: a mix whose members do not all
+        fit in a slot now gives back the ones it took and waits (it never runs with a member missing)."""
+        taken: list[int] = []
+        for version_id in request.members:
+            # One locked ask-and-do per member: a concurrent load cannot slip between the two.
+            resident = self.adapters.resident(version_id)
+            if self.adapters.try_acquire(version_id) is None:
+                for held in taken:
+                    self.adapters.release(held)
+                return False
+            taken.append(version_id)
+            if not resident:
+                self.fair_share.charge_swap(request)
+        request.pinned = True
+        return True
 
     def _waiting_order(self) -> Iterable[Request]:
         """The waiting requests in admission order: fair share's (lazy: charges made while iterating count),
@@ -196,18 +226,21 @@ class Scheduler:
 
     def _rides_along(self, request: Request) -> bool:
         """Whether ``request`` may go ahead of a starving one without delaying it: it needs no adapter, or
-        its adapter is pinned by running requests and it will not outlast them (the slot frees no later)."""
-        if request.version_id is None:
-            return True
-        horizon = max((r.params.max_tokens - len(r.output_token_ids) for r in self.running
-                       if r.version_id == request.version_id), default=None)
-        return horizon is not None and request.params.max_tokens - len(request.output_token_ids) <= horizon
+        each of its adapters is pinned by running requests and it will not outlast them (no slot frees later)."""
+        left = request.params.max_tokens - len(request.output_token_ids)
+        for version_id in request.members:
+            horizon = max((r.params.max_tokens - len(r.output_token_ids) for r in self.running
+                           if version_id in r.members), default=None)
+            if horizon is None or left > horizon:
+                return False
+        return True
 
     def _chain(self, request: Request) -> list[bytes]:
         """The keys of the request's full blocks (its prompt and outputs), computed once each; empty when
         prefix caching is off."""
         if self.allocator.caching and len(request.block_keys) < request.num_tokens // self.config.block_size:
-            extend_chain(request.block_keys, request.all_token_ids, request.version_id, self.config.block_size)
+            extend_chain(request.block_keys, request.all_token_ids, request.kv_owner, self.config.block_size,
+                         request.base_blocks(self.config.block_size))
         return request.block_keys
 
     def _key_filled_blocks(self, request: Request, start: int, n: int) -> None:
@@ -231,7 +264,8 @@ class Scheduler:
                 return False
             self.preempt(victims[0])
         if need > 0:
-            request.block_table += self.allocator.allocate(need, request.version_id)
+            request.block_table += self.allocator.allocate(need, request.kv_owner, first=len(request.block_table),
+                                                           base_blocks=request.base_blocks(self.config.block_size))
         return True
 
     def update(self, scheduled: Sequence[ScheduledRequest], tokens: Sequence[int]) -> list[Request]:
@@ -313,8 +347,10 @@ class Scheduler:
             self.allocator.free(request.block_table)
             request.block_table = []
         if request.pinned:
-            self.adapters.release(request.version_id)
+            for version_id in request.members:
+                self.adapters.release(version_id)
             request.pinned = False
         if request.holds_version:
-            self.adapters.release_hold(request.version_id)
+            for version_id in request.members:
+                self.adapters.release_hold(version_id)
             request.holds_version = False
