@@ -38,6 +38,7 @@ from loraplex.engine.sampling.structured.waiting import GrammarWaitlist
 from loraplex.engine.scheduler.admission import WaitingBound
 from loraplex.engine.scheduler.block_manager import BlockManager
 from loraplex.engine.scheduler.scheduler import ScheduledRequest, Scheduler, step_mapping
+from loraplex.engine.speculative.verify import accept_drafts
 from loraplex.engine.stats import EngineStats, collect_stats
 from loraplex.engine.wire import EngineInfo
 from loraplex.errors import EngineStepFailed, LoraplexError
@@ -253,11 +254,14 @@ class Engine:
         return outputs
 
     def _run(self, batch: list[ScheduledRequest], outputs: list[EngineOutput]) -> tuple[list[ScheduledRequest],
-                                                                                         list[int]]:
+                                                                                         list[int | list[int]]]:
         """Run ``batch``'s forward pass and draw its tokens. A row whose logits are not finite fails its request
-        alone (appended to ``outputs``); returns the rest of the batch and the tokens they drew, in order."""
-        entries = [StepEntry(tuple(s.request.all_token_ids[s.start:s.start + s.num_tokens]), s.start,
-                             tuple(s.request.block_table), needs_prompt_rows(s.request, s.start, s.num_tokens))
+        alone (appended to ``outputs``); returns the rest of the batch and what they drew, in order: a token,
+        or for a row that verified a draft its accepted run (``accept_drafts``). A draft's tokens run after the
+        row's own, under the row's adapter, and every one of its positions gets a logits row."""
+        entries = [StepEntry(tuple(s.request.all_token_ids[s.start:s.start + s.num_tokens]) + s.draft, s.start,
+                             tuple(s.request.block_table),
+                             bool(s.draft) or needs_prompt_rows(s.request, s.start, s.num_tokens))
                    for s in batch]
         mapping = step_mapping(batch)
         lora = self.adapters.lora_batch(mapping)
@@ -270,12 +274,18 @@ class Engine:
             bad = self._nonfinite_entries(logits, entries, ends)
             outputs += self._fail_rows(batch, bad)
             kept = [i for i in range(len(batch)) if i not in bad]
-            for i in (i for i in kept if entries[i].all_logits):
+            for i in (i for i in kept if entries[i].all_logits and not batch[i].draft):
                 add_prompt_logprobs(batch[i].request, batch[i].start, logits[ends[i] - entries[i].num_logits : ends[i]])
             drawing = [i for i in kept if batch[i].draws]
-            tokens = sample_rows(logits, [ends[i] - 1 for i in drawing], [batch[i].request for i in drawing],
-                                 self.model_config.eos_token_ids)
-        return [batch[i] for i in kept], tokens
+            plain = [i for i in drawing if not batch[i].draft]
+            drafted = [i for i in drawing if batch[i].draft]
+            drawn: dict[int, int | list[int]] = dict(zip(plain, sample_rows(
+                logits, [ends[i] - 1 for i in plain], [batch[i].request for i in plain],
+                self.model_config.eos_token_ids), strict=True))
+            drawn.update(zip(drafted, accept_drafts(logits, [ends[i] - entries[i].num_logits for i in drafted],
+                                                    [batch[i].draft for i in drafted],
+                                                    [batch[i].request for i in drafted]), strict=True))
+        return [batch[i] for i in kept], [drawn[i] for i in drawing]
 
     @staticmethod
     def _nonfinite_entries(logits: torch.Tensor, entries: list[StepEntry], ends: list[int]) -> set[int]:
@@ -313,6 +323,8 @@ class Engine:
                     self.scheduler.add(request)
             elif isinstance(item, _Retire):
                 self.allocator.retire(item.version_id)
+                if self.scheduler.speculator is not None:
+                    self.scheduler.speculator.retire(item.version_id)
                 release_free_memory()  # its weights were freed: hand the pages back (engine/memory.py)
             elif (request := self._requests.get(item)) is not None:
                 self._compiling.remove(request)

@@ -16,6 +16,7 @@ from loraplex.errors import LoraplexError, RequestError
 if TYPE_CHECKING:
     from loraplex.engine.sampling.logits_processors import ProcessorState
     from loraplex.engine.sampling.structured.masks import GrammarState
+    from loraplex.engine.speculative.speculator import DraftState
 
 __all__ = ["NO_TAGS", "EngineOutput", "EngineTimes", "NewRequest", "Plan", "Request", "RequestStatus", "RequestTags",
            "SamplingParams", "TokenLogprob", "check_context_length"]
@@ -113,6 +114,7 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token so far, when asked
     processor_state: ProcessorState | None = None  # the logits processors' tensors, built on first use
     grammar: GrammarState | None = None  # its structured-output constraint (params.structured_outputs)
+    draft_state: DraftState | None = None  # its speculative drafting state, built on its first draft
     num_emitted: int = 0  # output tokens already handed out in an ``EngineOutput``
     prompt_logprobs_sent: bool = False
     arrival_time: float = 0.0  # EngineTimes' instants, set by the scheduler

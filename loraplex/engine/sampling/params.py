@@ -56,6 +56,8 @@ class SamplingParams:
       before everything above; for such a request ``logprobs`` are those of the constrained distribution
       (the raw logits with the disallowed tokens at -inf). It cannot be combined with ``ignore_eos`` or
       ``min_tokens`` (the grammar decides where the output ends).
+    - ``speculative_decoding``: False opts this request out of the engine's speculative decoding (when the
+      engine has a ``speculative_config``; it never changes a greedy output, only how fast it comes).
     """
 
     max_tokens: int = 16
@@ -76,6 +78,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     structured_outputs: StructuredOutputsParams | None = None
+    speculative_decoding: bool = True
 
     def __post_init__(self) -> None:
         # Accept a single string or any sequence for the tuple fields, and any mapping for logit_bias.
@@ -152,6 +155,9 @@ class SamplingParams:
                                "repetition_penalty")
         if not _integer(self.min_tokens) or self.min_tokens < 0:
             raise RequestError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}", "min_tokens")
+        if not isinstance(self.speculative_decoding, bool):
+            raise RequestError(f"speculative_decoding must be a boolean, got {self.speculative_decoding!r}",
+                               "speculative_decoding")
         self._validate_token_ids(vocab_size)
         self._validate_structured()
 
