@@ -29,6 +29,7 @@ from loraplex.engine.intake import RequestBounds, RequestIntake
 from loraplex.engine.invariants import check_right_kv, check_right_weights, keys_hold_all_kv_inputs
 from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.memory import release_free_memory
+from loraplex.engine.pooling.pooler import PoolingPlan
 from loraplex.engine.request import NO_TAGS, EngineOutput, NewRequest, Plan, Request, RequestTags, SamplingParams
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.engine.sampling.logprobs import add_prompt_logprobs, needs_prompt_rows
@@ -113,7 +114,7 @@ class Engine:
         self.waiting_bound = WaitingBound(config, self.scheduler, self._compiling)  # 503 past max_waiting_requests
         self.intake = RequestIntake(self.adapters, self.tokenizer, self.model_config.vocab_size,
                                     self.max_model_len, self.grammars, config.seed,
-                                    RequestBounds.of(config, self.max_model_len))
+                                    RequestBounds.of(config, self.max_model_len), self.model_config.hidden_size)
         self._fingerprint: str | None = None
         self.step_failures, self.last_step_error = 0, ""  # steps that raised and failed their requests (_fail_step)
         self._fingerprint_lock = threading.Lock()
@@ -261,17 +262,26 @@ class Engine:
         row's own, under the row's adapter, and every one of its positions gets a logits row."""
         entries = [StepEntry(tuple(s.request.all_token_ids[s.start:s.start + s.num_tokens]) + s.draft, s.start,
                              tuple(s.request.block_table),
-                             bool(s.draft) or needs_prompt_rows(s.request, s.start, s.num_tokens))
+                             bool(s.draft) or needs_prompt_rows(s.request, s.start, s.num_tokens),
+                             pooled=s.request.pool is not None)
                    for s in batch]
         mapping = step_mapping(batch)
         lora = self.adapters.lora_batch(mapping)
         if self.config.debug_checks:
             check_right_weights(self.adapters, mapping, lora)
             check_right_kv(self.allocator, self.scheduler.running, [s.request for s in batch])
+        pooling = PoolingPlan.of([(s.request.params.pooling, s.start, s.num_tokens, len(s.request.prompt_token_ids))
+                                  for s in batch])  # None when no row pools
         with torch.inference_mode():
-            logits = self.runner.execute(entries, lora)  # [R, vocab]
+            if pooling is None:
+                logits = self.runner.execute(entries, lora)  # [R, vocab]
+            else:
+                logits, hidden = self.runner.execute_pooled(entries, lora, pooling.rows)  # [R, vocab], [H, hidden]
             ends = list(itertools.accumulate(e.num_logits for e in entries))  # logits row after each entry's
             bad = self._nonfinite_entries(logits, entries, ends)
+            if pooling is not None:
+                bad |= pooling.nonfinite(hidden)
+                pooling.accumulate(hidden, [None if i in bad else s.request.pool for i, s in enumerate(batch)])
             outputs += self._fail_rows(batch, bad)
             kept = [i for i in range(len(batch)) if i not in bad]
             for i in (i for i in kept if entries[i].all_logits and not batch[i].draft):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from loraplex.engine.pooling.pooler import PoolState
 from loraplex.engine.sampling.logprobs import TokenLogprob
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.errors import LoraplexError, RequestError
@@ -66,6 +67,7 @@ class EngineOutput:
     new_logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None
     times: EngineTimes | None = None  # with its first output and its last
+    embedding: list[float] | None = None  # a pooling request's vector (``params.pooling``), with its last output
 
 
 @dataclass(frozen=True)
@@ -143,8 +145,11 @@ class Request:
         if self.plan is None or self.plan == ((self.version_id, 1.0),):
             return self.version_id
         return self.plan
+    pool: PoolState | None = None  # a pooling request's pool so far (``engine/pooling/pooler.py``)
 
     def __post_init__(self) -> None:
+        if self.params.pooling is not None and self.pool is None:
+            self.pool = PoolState()
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
@@ -177,7 +182,14 @@ class Request:
             request_id=self.request_id, new_token_ids=self.output_token_ids[new], finished=self.finished,
             finish_reason=self.finish_reason, error=self.error,
             new_logprobs=None if self.logprobs is None else self.logprobs[new], prompt_logprobs=prompt_logprobs,
-            times=times)
+            times=times, embedding=self._embedding())
+
+    def _embedding(self) -> list[float] | None:
+        """A pooling request's vector once it finished with its whole prompt computed (not aborted or failed)."""
+        if self.pool is None or not self.finished or self.finish_reason != "length" or self.error is not None:
+            return None
+        assert self.params.pooling is not None
+        return self.pool.vector(self.params.pooling)
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_note: str = "") -> None:

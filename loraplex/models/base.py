@@ -165,6 +165,25 @@ class CausalLM(nn.Module):
         rope = self.rope_tables(positions, attn.seq_lens, hidden.dtype)
         return self.logits(self.run_layers(hidden, rope, attn, kv_caches, lora), logits_rows, lora)
 
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                       kv_caches: Sequence[torch.Tensor], lora: LoRABatch | None, logits_rows: torch.Tensor,
+                       hidden_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s logits ``[S, vocab']`` of ``logits_rows [S]`` (``[0, vocab']`` when S is 0), and the
+        float32 final hidden states of ``hidden_rows [H]``: ``hidden_states``' ``[H, hidden]``."""
+        hidden = self.embed(input_ids, lora)  # [T, hidden]
+        rope = self.rope_tables(positions, attn.seq_lens, hidden.dtype)
+        hidden = self.run_layers(hidden, rope, attn, kv_caches, lora)
+        if logits_rows.numel():
+            logits = self.logits(hidden, logits_rows, lora)
+        else:
+            logits = torch.empty((0, self.served_vocab_size), dtype=torch.float32, device=hidden.device)
+        return logits, self.hidden_states(hidden, hidden_rows)
+
+    def hidden_states(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The final norm of rows ``rows [H]`` of the last block's output ``hidden [T, hidden]`` -> float32
+        ``[H, hidden]`` (HF's ``last_hidden_state``: what pooling reads)."""
+        return self.norm(hidden.index_select(0, rows)).float()
+
     def run_layers(self, hidden: torch.Tensor, rope: Any, attn: AttentionMetadata, kv_caches: Sequence[torch.Tensor],
                    lora: LoRABatch | None) -> torch.Tensor:
         """Every block in order on ``hidden [T, hidden]``; a family may fuse across blocks (Llama does)."""

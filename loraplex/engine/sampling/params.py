@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from loraplex.engine.pooling.params import PoolingParams
 from loraplex.engine.sampling.structured.params import StructuredOutputsParams
 from loraplex.errors import RequestError
 
@@ -58,6 +59,9 @@ class SamplingParams:
       ``min_tokens`` (the grammar decides where the output ends).
     - ``speculative_decoding``: False opts this request out of the engine's speculative decoding (when the
       engine has a ``speculative_config``; it never changes a greedy output, only how fast it comes).
+    - ``pooling``: the request returns one vector pooled from its prompt's final hidden states
+      (``PoolingParams``: an embedding) instead of tokens; it needs ``max_tokens == 0`` and no logprobs,
+      choices or structured outputs.
     """
 
     max_tokens: int = 16
@@ -79,6 +83,7 @@ class SamplingParams:
     min_tokens: int = 0
     structured_outputs: StructuredOutputsParams | None = None
     speculative_decoding: bool = True
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         # Accept a single string or any sequence for the tuple fields, and any mapping for logit_bias.
@@ -160,6 +165,22 @@ class SamplingParams:
                                "speculative_decoding")
         self._validate_token_ids(vocab_size)
         self._validate_structured()
+        self._validate_pooling()
+
+    def _validate_pooling(self) -> None:
+        if self.pooling is None:
+            return
+        if not isinstance(self.pooling, PoolingParams):
+            raise RequestError("pooling must be a PoolingParams", "pooling")
+        if self.max_tokens != 0:
+            raise RequestError(f"a pooling request computes its prompt only: max_tokens must be 0, got "
+                               f"{self.max_tokens!r}", "max_tokens")
+        for name in ("logprobs", "prompt_logprobs", "structured_outputs"):
+            if getattr(self, name) is not None:
+                raise RequestError(f"{name} cannot be combined with pooling", name)
+        if self.n != 1:
+            raise RequestError(f"a pooling request has one output: n must be 1, got {self.n!r}", "n")
+        self.pooling.validate()
 
     def _validate_structured(self) -> None:
         if self.structured_outputs is None:

@@ -225,8 +225,10 @@ class Scheduler:
     def _reusable_tokens(request: Request) -> int:
         """How many leading tokens of ``request`` may come from the prefix cache: all but the last (it is
         computed to sample), and with prompt logprobs only the positions already scored (a recomputed
-        request keeps the logprobs it has; the others need their logits)."""
+        request keeps the logprobs it has; the others need their logits); none for mean or cls pooling."""
         reusable = request.num_tokens - 1
+        if request.params.pooling is not None and request.params.pooling.needs_every_row:
+            return 0  # mean / cls pooling read every prompt row's (or the first one's) final hidden state
         if request.prompt_logprobs is not None:
             reusable = min(reusable, len(request.prompt_logprobs) - 1)
         return reusable

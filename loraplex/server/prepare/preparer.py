@@ -150,6 +150,13 @@ class RequestPreparer:
     async def chat(self, parsed: Parsed, version: Version) -> Prepared:
         return await self._run("chat", self._light(parsed), self._job(version))
 
+    async def parse_embedding(self, raw: bytes) -> Parsed:
+        light = bool(self.processes)
+        return Parsed(await self._run("parse_embedding", raw, light), raw, light)
+
+    async def embedding(self, parsed: Parsed, version: Version) -> Prepared:
+        return await self._run("embedding", self._light(parsed), self._job(version))
+
     @staticmethod
     def _light(parsed: Parsed) -> Parsed:
         """What goes back into a worker: the raw bytes alone when the body is light (the worker parses them)."""
