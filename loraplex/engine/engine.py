@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from loraplex.adapters.info import AdapterInfo
 from loraplex.adapters.manager import AdapterManager
@@ -48,6 +48,7 @@ from loraplex.models.embedded import resolve_model
 from loraplex.models.fingerprint import checkpoint_fingerprint
 from loraplex.models.loader import load_model
 from loraplex.models.registry import model_config
+from loraplex.models.tokenizer_source import model_tokenizer
 from loraplex.ops.lora import resolve_lora_kernels
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class Engine:
         self._step_delay = float(os.environ.get(STEP_DELAY_ENV, "0"))
         folder = resolve_model(config.model)
         self.model_path = folder
-        self.model_name = config.model if not Path(config.model).is_dir() else Path(config.model).name
+        self.model_name = config.model if not Path(config.model).exists() else Path(config.model).name
         self.model_config = model_config(folder)
         self.device, self.dtype = _pick_device(config)
         if config.num_threads is not None:
@@ -91,8 +92,7 @@ class Engine:
         self.lora_kernels = resolve_lora_kernels(config.lora_kernels, self.device)
         use_lora_kernels(self.model, self.lora_kernels, config.max_num_batched_tokens)
         use_lora_dtype(self.model, torch.bfloat16 if config.lora_dtype == "bfloat16" else self.dtype)
-        self.tokenizer: PreTrainedTokenizerBase | None = (
-            AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None)
+        self.tokenizer: PreTrainedTokenizerBase | None = model_tokenizer(folder)
         block_bytes = KVCache.bytes_per_block(self.model_config, config.block_size, self.dtype)
         num_blocks = config.kv_cache_blocks or max(1, config.kv_cache_bytes // block_bytes)
         self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
