@@ -25,9 +25,9 @@ from loraplex.adapters.info import AdapterInfo
 from loraplex.adapters.manager import AdapterManager
 from loraplex.adapters.versions import VersionView
 from loraplex.config import EngineConfig
-from loraplex.engine.faults import install_faults
+from loraplex.engine.checks.faults import install_faults
+from loraplex.engine.checks.invariants import check_right_kv, check_right_weights, keys_hold_all_kv_inputs
 from loraplex.engine.intake import RequestBounds, RequestIntake
-from loraplex.engine.invariants import check_right_kv, check_right_weights, keys_hold_all_kv_inputs
 from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.memory import release_free_memory
 from loraplex.engine.pooling.pooler import PoolingPlan
@@ -126,7 +126,7 @@ class Engine:
                     config.block_size, num_blocks * block_bytes / 2**20)
         row_bytes = self.model_config.hidden_size * self.model.embed_tokens.weight.element_size()
         logger.info("%s", self.adapters.budget.describe(row_bytes * self.model_config.vocab_size, row_bytes))
-        install_faults(self)  # tests only: nothing unless LORAPLEX_TEST_FAULTS is set (engine/faults.py)
+        install_faults(self)  # tests only: nothing unless LORAPLEX_TEST_FAULTS is set (engine/checks/faults.py)
 
     # ---- adapters (any thread) ----
     def load_adapter(self, name: str, path: str | Path | None = None, *,
