@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from loraplex.config import EngineConfig
+from loraplex.engine.pooling.params import POOLING_TYPES
 from loraplex.errors import EngineUnavailable, LoraplexError
 from loraplex.server.openai.reasoning import REASONING_PARSERS
 from loraplex.server.openai.tool_parsers import PARSERS as TOOL_PARSERS
@@ -153,6 +154,13 @@ def _parser_args(serve: argparse.ArgumentParser) -> None:
                             + ", ".join(sorted(REASONING_PARSERS)) + " (default: none)")
 
 
+def _pooling_args(serve: argparse.ArgumentParser) -> None:
+    """How ``/v1/embeddings`` pools (``models/pooling_config.py``)."""
+    serve.add_argument("--pooling", default=None, choices=POOLING_TYPES,
+                       help="how /v1/embeddings pools the final hidden states: last token, mean or first (cls) "
+                            "(default: the model's sentence-transformers config, else last)")
+
+
 def _observability_args(serve: argparse.ArgumentParser) -> None:
     """Traces (``server/tracing.py``); the metrics need no flag (``/metrics``)."""
     serve.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
@@ -205,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the step loop in a thread of the API process instead of its own process")
     _connection_args(serve)
     _parser_args(serve)
+    _pooling_args(serve)
     _observability_args(serve)
     gen = sub.add_parser("generate", help="print completions of PROMPT(s)")
     _engine_args(gen)
@@ -284,7 +293,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                          preparer=preparer, request_timeout=args.request_timeout or None,
                          stall_timeout=args.stall_timeout, tool_call_parser=args.tool_call_parser,
                          reasoning_parser=args.reasoning_parser,
-                         otlp_traces_endpoint=args.otlp_traces_endpoint)
+                         otlp_traces_endpoint=args.otlp_traces_endpoint, pooling=args.pooling)
         _pin(client, args.pin_adapter, parser)
         stats, adapters = asyncio.run(_describe(client))
         info = client.info

@@ -23,9 +23,10 @@ from loraplex.adapters.info import AdapterInfo
 from loraplex.client.adapter_mix import AdapterMix, mixed
 from loraplex.client.directory import Version
 from loraplex.client.inproc import engine_directory, sync_directory
-from loraplex.client.output import OutputProcessor, RequestOutput
+from loraplex.client.output import EmbeddingOutput, OutputProcessor, RequestOutput
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
+from loraplex.engine.pooling.params import PoolingParams
 from loraplex.engine.request import NewRequest, SamplingParams
 from loraplex.engine.stats import EngineStats
 from loraplex.errors import RequestError
@@ -129,6 +130,19 @@ class LLM:
         if not isinstance(adapter, AdapterMix):
             return self.directory.route(adapter)
         return mixed([self.directory.route(name) for name in adapter.names], [s for _, s in adapter.entries])
+
+    def embed(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        pooling: PoolingParams | None = None,
+        adapters: str | None | Sequence[str | None] = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingOutput]:
+        """One embedding per prompt, in prompt order: each prompt runs as a prefill-only pooling request
+        (``SamplingParams(max_tokens=0, pooling=...)``; default ``PoolingParams()``: last token, normalized)
+        of its adapter, batched with whatever else the engine runs. Raises the first request's error."""
+        params = SamplingParams(max_tokens=0, pooling=pooling or PoolingParams())
+        return [EmbeddingOutput.of(out) for out in self.generate(prompts, params, adapters, use_tqdm)]
 
     def _run(self, processor: OutputProcessor, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         """Step until ``total`` requests finished; their final outputs by id."""

@@ -8,7 +8,7 @@ loaded adapters' names with ``model`` the base model's, and a structured-output 
 valid (a schema, regex or grammar that compiles; a tool_choice naming a tool) and not combined with
 ``ignore_eos`` / ``min_tokens`` (checked with the server's own request models). Prompts are counted
 exactly, with the served model's tokenizer and the server's own chat rendering (``LORAPLEX_TEST_MODEL``,
-``LORAPLEX_TEST_MAX_MODEL_LEN``)."""
+``LORAPLEX_TEST_MAX_MODEL_LEN``); ``/v1/embeddings``' inputs must each fit the context alike."""
 
 from __future__ import annotations
 
@@ -102,6 +102,8 @@ def filter_case(ctx: schemathesis.HookContext, case: Any) -> bool:
 
 def _acceptable(operation: str, body: object) -> bool:
     """Whether a generation ``body`` keeps every cross-field rule (module docstring); other bodies always."""
+    if operation == "/v1/embeddings" and isinstance(body, dict):
+        return _embedding_inputs_fit(body)
     if operation == "/v1/responses" and isinstance(body, dict):
         chat = _as_chat(body)
         if chat is None:
@@ -128,6 +130,19 @@ def _acceptable(operation: str, body: object) -> bool:
     # without max_tokens a chat choice may run to the end of the context (the server's default)
     per_choice = limit if given or "prompt" in body else MAX_MODEL_LEN - tokens
     return tokens + limit <= MAX_MODEL_LEN and _choices(body) * per_choice <= REQUEST_OUTPUT_TOKENS
+
+
+def _embedding_inputs_fit(body: dict) -> bool:
+    """Whether every ``/v1/embeddings`` input's tokens (texts with the tokenizer's special tokens, as the server
+    encodes them) fit the context; a body that is schema-invalid anyway passes."""
+    given = body.get("input")
+    if isinstance(given, str) or (isinstance(given, list) and given and isinstance(given[0], int)):
+        given = [given]
+    if not isinstance(given, list):
+        return True
+    counts = [len(p) if isinstance(p, list) else len(_tokenizer().encode(p)) for p in given
+              if isinstance(p, (list, str))]
+    return max(counts, default=0) <= MAX_MODEL_LEN
 
 
 def _choices(body: dict) -> int:

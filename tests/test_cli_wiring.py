@@ -186,6 +186,7 @@ ROWS: dict[str, tuple[list[str], Observe, object]] = {
     "--stall-timeout": (["--stall-timeout", "3"], lambda s: s.app["stall_timeout"], 3),
     "--tool-call-parser": (["--tool-call-parser", "pythonic"], lambda s: s.app["tool_call_parser"], "pythonic"),
     "--reasoning-parser": (["--reasoning-parser", "qwen3"], lambda s: s.app["reasoning_parser"], "qwen3"),
+    "--pooling": (["--pooling", "mean"], lambda s: s.app["pooling"], "mean"),
     "--otlp-traces-endpoint": (["--otlp-traces-endpoint", "http://127.0.0.1:9/v1/traces"],
                                lambda s: s.app["otlp_traces_endpoint"], "http://127.0.0.1:9/v1/traces"),
 }

@@ -74,8 +74,10 @@ class RequestBounds:
 
 class RequestIntake:
     def __init__(self, adapters: AdapterManager, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int,
-                 max_model_len: int, grammars: GrammarCompilers, seed: int, bounds: RequestBounds) -> None:
+                 max_model_len: int, grammars: GrammarCompilers, seed: int, bounds: RequestBounds,
+                 hidden_size: int | None = None) -> None:
         self.adapters, self.tokenizer, self.vocab_size = adapters, tokenizer, vocab_size
+        self.hidden_size = hidden_size  # what a pooling request's ``dimensions`` may keep at most
         self.max_model_len, self.grammars, self.bounds = max_model_len, grammars, bounds
         self._generator = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
@@ -150,6 +152,8 @@ class RequestIntake:
         tokenizer, vocab_size = self.version(tokenizer_of)
         params = item.params
         params.validate(vocab_size)
+        if params.pooling is not None:
+            params.pooling.validate(self.hidden_size)
         if params.n != 1:
             raise RequestError(f"an engine request is one choice, got n={params.n}: submit params.choices() "
                                "(LLM.generate and the server do)", "n")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from loraplex.engine.pooling.pooler import PoolState
 from loraplex.engine.sampling.logprobs import TokenLogprob
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.errors import LoraplexError, RequestError
@@ -16,6 +17,7 @@ from loraplex.errors import LoraplexError, RequestError
 if TYPE_CHECKING:
     from loraplex.engine.sampling.logits_processors import ProcessorState
     from loraplex.engine.sampling.structured.masks import GrammarState
+    from loraplex.engine.speculative.speculator import DraftState
 
 __all__ = ["NO_TAGS", "EngineOutput", "EngineTimes", "NewRequest", "Plan", "Request", "RequestStatus", "RequestTags",
            "SamplingParams", "TokenLogprob", "check_context_length"]
@@ -65,6 +67,7 @@ class EngineOutput:
     new_logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None
     times: EngineTimes | None = None  # with its first output and its last
+    embedding: list[float] | None = None  # a pooling request's vector (``params.pooling``), with its last output
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,7 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token so far, when asked
     processor_state: ProcessorState | None = None  # the logits processors' tensors, built on first use
     grammar: GrammarState | None = None  # its structured-output constraint (params.structured_outputs)
+    draft_state: DraftState | None = None  # its speculative drafting state, built on its first draft
     num_emitted: int = 0  # output tokens already handed out in an ``EngineOutput``
     prompt_logprobs_sent: bool = False
     arrival_time: float = 0.0  # EngineTimes' instants, set by the scheduler
@@ -141,8 +145,11 @@ class Request:
         if self.plan is None or self.plan == ((self.version_id, 1.0),):
             return self.version_id
         return self.plan
+    pool: PoolState | None = None  # a pooling request's pool so far (``engine/pooling/pooler.py``)
 
     def __post_init__(self) -> None:
+        if self.params.pooling is not None and self.pool is None:
+            self.pool = PoolState()
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
@@ -175,7 +182,14 @@ class Request:
             request_id=self.request_id, new_token_ids=self.output_token_ids[new], finished=self.finished,
             finish_reason=self.finish_reason, error=self.error,
             new_logprobs=None if self.logprobs is None else self.logprobs[new], prompt_logprobs=prompt_logprobs,
-            times=times)
+            times=times, embedding=self._embedding())
+
+    def _embedding(self) -> list[float] | None:
+        """A pooling request's vector once it finished with its whole prompt computed (not aborted or failed)."""
+        if self.pool is None or not self.finished or self.finish_reason != "length" or self.error is not None:
+            return None
+        assert self.params.pooling is not None
+        return self.pool.vector(self.params.pooling)
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_note: str = "") -> None:

@@ -48,6 +48,7 @@ from loraplex.engine.request import Plan, Request, RequestStatus
 from loraplex.engine.scheduler.block_hash import extend_chain
 from loraplex.engine.scheduler.block_manager import BlockManager
 from loraplex.engine.scheduler.fair_share import FairShare
+from loraplex.engine.speculative.speculator import Speculator
 from loraplex.ops.lora_batch import BatchMapping
 
 
@@ -55,7 +56,8 @@ from loraplex.ops.lora_batch import BatchMapping
 class ScheduledRequest:
     request: Request
     start: int  # first token position computed this step
-    num_tokens: int  # tokens computed this step
+    num_tokens: int  # tokens computed this step (of the request's own; a draft's come after them)
+    draft: tuple[int, ...] = ()  # draft tokens verified after its next token (speculative decoding)
 
     @property
     def prompt_complete(self) -> bool:
@@ -70,17 +72,18 @@ class ScheduledRequest:
 
 
 def step_mapping(batch: Sequence[ScheduledRequest]) -> BatchMapping:
-    """What each token of the step asks for, in batch order: its request's version or LoRA plan, except an aLoRA
-    request's positions before its invocation point (``Request.alora_start``), which read the base weights."""
+    """What each token of the step asks for, in batch order (a row's draft tokens included): its request's version
+    or LoRA plan, except an aLoRA request's positions before its invocation point (``Request.alora_start``), which
+    read the base weights."""
     seqs: list[tuple[int | None, int]] = []
     plans: list[Plan | None] = []
     for s in batch:
-        request = s.request
-        before = 0 if request.alora_start is None else max(0, min(request.alora_start - s.start, s.num_tokens))
+        request, num_tokens = s.request, s.num_tokens + len(s.draft)  # a draft runs under the row's adapter
+        before = 0 if request.alora_start is None else max(0, min(request.alora_start - s.start, num_tokens))
         if before:
             seqs.append((None, before))
             plans.append(None)
-        seqs.append((request.version_id, s.num_tokens - before))
+        seqs.append((request.version_id, num_tokens - before))
         plans.append(request.plan)
     return BatchMapping.from_sequences(seqs, plans)
 
@@ -105,6 +108,8 @@ class Scheduler:
         self.step_count = 0
         self.num_preemptions = 0
         self.fair_share = FairShare()
+        spec = config.speculative_config
+        self.speculator = Speculator(spec) if spec is not None else None
         adapters.read_ahead(())  # a scheduler drives reads from now on: none until a queue wants one
 
     def add(self, request: Request) -> None:
@@ -122,18 +127,20 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preemptions_before = self.num_preemptions
         chunk_cap = self._chunk_cap()
+        drafting = self.speculator is not None and self.speculator.active(len(self.running))
         for request in self._running_order():
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(request.num_tokens - request.num_computed_tokens, budget, chunk_cap)
             if n <= 0:
                 continue
-            if not self._grow(request, n, scheduled):
+            draft = self._draft(request, n, budget) if drafting else ()
+            if not self._grow(request, n + len(draft), scheduled):
                 continue
-            self._key_filled_blocks(request, request.num_computed_tokens, n)
-            self.fair_share.charge_tokens(request, request.num_computed_tokens, n)
-            scheduled.append(ScheduledRequest(request, request.num_computed_tokens, n))
-            budget -= n
+            self._key_filled_blocks(request, request.num_computed_tokens, n)  # a draft's blocks wait for update
+            self.fair_share.charge_tokens(request, request.num_computed_tokens, n + len(draft))
+            scheduled.append(ScheduledRequest(request, request.num_computed_tokens, n, draft))
+            budget -= n + len(draft)
         if self.num_preemptions == preemptions_before:  # admitting now would only thrash the cache
             scheduled += self._admit(budget)
         return scheduled
@@ -218,8 +225,10 @@ class Scheduler:
     def _reusable_tokens(request: Request) -> int:
         """How many leading tokens of ``request`` may come from the prefix cache: all but the last (it is
         computed to sample), and with prompt logprobs only the positions already scored (a recomputed
-        request keeps the logprobs it has; the others need their logits)."""
+        request keeps the logprobs it has; the others need their logits); none for mean or cls pooling."""
         reusable = request.num_tokens - 1
+        if request.params.pooling is not None and request.params.pooling.needs_every_row:
+            return 0  # mean / cls pooling read every prompt row's (or the first one's) final hidden state
         if request.prompt_logprobs is not None:
             reusable = min(reusable, len(request.prompt_logprobs) - 1)
         return reusable
@@ -249,6 +258,19 @@ class Scheduler:
         if self.allocator.caching and end > first:
             self.allocator.cache(request.block_table[first:end], self._chain(request)[first:end])
 
+    def _draft(self, request: Request, n: int, budget: int) -> tuple[int, ...]:
+        """The draft ``request`` verifies this step (speculative decoding): only a decoding request drafts, no
+        more than its ``max_tokens`` and the context leave room for beyond its next token, within the step's
+        budget, and only into KV blocks free now (a draft never preempts a request)."""
+        if n != 1 or request.num_tokens - request.num_computed_tokens != 1 or not request.output_token_ids:
+            return ()
+        limit = min(budget - 1, request.params.max_tokens - len(request.output_token_ids) - 1)
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len - request.num_tokens - 1)
+        draft = self.speculator.draft(request, limit)
+        need = self._blocks_for(request.num_tokens + len(draft)) - len(request.block_table)
+        return draft if not draft or self.allocator.can_allocate(need) else ()
+
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
 
@@ -268,30 +290,52 @@ class Scheduler:
                                                            base_blocks=request.base_blocks(self.config.block_size))
         return True
 
-    def update(self, scheduled: Sequence[ScheduledRequest], tokens: Sequence[int]) -> list[Request]:
-        """Post-step bookkeeping. Every scheduled request's computed tokens advance; each one that drew a
-        token (``draws``; ``tokens`` holds their new tokens in batch order) appends it and finishes when it
-        hits a stop condition; one whose prompt is complete with ``max_tokens == 0`` finishes ("length").
-        Returns the requests whose prompt is complete (``prompt_complete``), in batch order."""
+    def update(self, scheduled: Sequence[ScheduledRequest], tokens: Sequence[int | Sequence[int]]) -> list[Request]:
+        """Post-step bookkeeping. Every scheduled request's computed tokens advance; each one that drew
+        (``draws``; ``tokens`` holds, in batch order, its new token, or for a request that verified a draft its
+        accepted run: the draft tokens kept, then one more) appends them, one by one, and finishes at the
+        first that hits a stop condition, as plain decoding would; one whose prompt is complete with
+        ``max_tokens == 0`` finishes ("length"). Returns the requests whose prompt is complete
+        (``prompt_complete``), in batch order."""
         if len(tokens) != sum(s.draws for s in scheduled):
             raise ValueError(f"{len(tokens)} tokens for {sum(s.draws for s in scheduled)} requests that draw one")
-        complete = [(s.request, s.draws) for s in scheduled if s.prompt_complete]  # before tokens are appended
-        self.allocator.commit()  # the step's K/V are written: its blocks' keys hold from now on
+        complete = [(s, s.draws) for s in scheduled if s.prompt_complete]  # before tokens are appended
         for s in scheduled:
             s.request.num_computed_tokens += s.num_tokens
         drawn = iter(tokens)
-        for request, draws in complete:
+        for s, draws in complete:
+            request = s.request
             if not draws:
                 self.finish(request, "length")
                 continue
-            token = next(drawn)
+            run = next(drawn)
             if request.first_token_time is None:
                 request.first_token_time = time.time()
-            request.output_token_ids.append(token)
-            reason = self._stop_reason(request, token)
+            reason, kept = None, 0
+            for token in [run] if isinstance(run, int) else run:
+                request.output_token_ids.append(token)
+                kept += 1
+                if (reason := self._stop_reason(request, token)) is not None:
+                    break
+            if s.draft:
+                self._settle_draft(s, kept - 1)
             if reason is not None:
                 self.finish(request, reason)
-        return [request for request, _ in complete]
+        self.allocator.commit()  # the step's K/V are written: its blocks' keys hold from now on
+        return [s.request for s, _ in complete]
+
+    def _settle_draft(self, s: ScheduledRequest, accepted: int) -> None:
+        """``s`` verified a draft and kept its first ``accepted`` tokens: their K/V (computed from inputs equal
+        to the tokens now appended) count as computed and the blocks they fill are keyed; the blocks past the
+        computed tokens, which hold only rejected drafts' K/V, are freed (never keyed: nothing can match them)."""
+        request = s.request
+        request.num_computed_tokens += accepted
+        self._key_filled_blocks(request, s.start, s.num_tokens + accepted)
+        keep = self._blocks_for(request.num_computed_tokens)
+        if len(request.block_table) > keep:
+            self.allocator.free(request.block_table[keep:])
+            del request.block_table[keep:]
+        self.speculator.record(request, len(s.draft), accepted)
 
     def undo(self, scheduled: Sequence[ScheduledRequest]) -> None:
         """The step of ``scheduled`` failed before ``update``: its K/V may be partly written, so the cache

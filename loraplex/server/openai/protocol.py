@@ -274,11 +274,11 @@ class ChatCompletionRequest(ToolFields, _SamplingFields):
         return renamed.get(param or "") or param
 
     def constraint(self) -> StructuredOutputsParams | None:
-        structured, tools = self.structured_constraint(), self.tool_constraint()
-        if structured is not None and tools is not None:
-            raise RequestError(f"tool_choice {self.tool_choice!r} constrains the output already; drop the "
-                               "structured-output field", "tool_choice")
-        return structured or tools
+        """The output's constraint. A forced tool call (``required`` or named) wins over a structured-output
+        field, as on OpenAI: this turn's output is the call, and the format shapes the final message of a
+        later turn (agent loops send both and reset ``tool_choice`` after the call)."""
+        structured, tools = self.structured_constraint(), self.tool_constraint()  # both checked: a bad schema is a 400
+        return tools if tools is not None else structured
 
     def prompt_text(self, tokenizer: Any) -> str:
         """The messages rendered with the tokenizer's chat template (see ``chat_text``)."""
