@@ -139,3 +139,32 @@ def test_a_prompt_without_the_invocation_is_refused(tiny_llama: Path, folders: d
         with pytest.raises(RequestError, match="activated LoRA"):
             llm.generate([conversation + INVOCATIONS["intrinsic_a"]], GREEDY, adapters=AdapterMix(mix),
                          use_tqdm=False)
+
+
+def test_alora_over_http_with_the_engine_in_its_own_process(tiny_llama: Path, folders: dict[str, Path],
+                                                            conversation: list[int], tmp_path: Path) -> None:
+    """``loraplex serve``'s shape (engine and preparer in their own processes): an intrinsic after the base model
+    cached the conversation equals PEFT and reuses the base's blocks; a prompt without the invocation is a 400
+    naming ``prompt``."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    from tests.server_harness import BASE, tiny_server
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    prompt = conversation + INVOCATIONS["intrinsic_b"] + [21, 22]
+    with tiny_server(tiny_llama, folders, tuple(folders), (), tmp_path, mode="process", max_loras=3,
+                     kv_cache_blocks=128, block_size=BLOCK, debug_checks=True) as server:
+        def complete(model: str, ids: list[int]) -> httpx.Response:
+            return httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+                "model": model, "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+
+        assert complete(BASE, conversation + [1, 2]).status_code == 200
+        before = server.stats().prefix_cache_hit_tokens
+        answer = complete("intrinsic_b", prompt)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == tokenizer.decode(
+            alora_greedy(tiny_llama, folders["intrinsic_b"], prompt))
+        assert server.stats().prefix_cache_hit_tokens - before == (len(conversation) // BLOCK) * BLOCK
+        refused = complete("intrinsic_b", conversation)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
