@@ -85,5 +85,28 @@ def test_scales_and_mixes_over_http(mode: str, tiny_llama: Path, adapters: dict[
                 assert answer.json()["error"]["param"] == param, (fields, answer.text)
         wait_until_idle(server.engine_client)
         metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
-        assert 'loraplex_requests_total{adapter="mix",status="length"}' in metrics  # one bounded label for blends
-        assert "r8_all+r16_mlp" not in metrics
+        assert 'loraplex_requests_total{adapter="r16_mlp+r8_all",status="length"}' in metrics  # its members, sorted
+
+
+def test_blend_labels_are_their_members_and_bounded() -> None:
+    """A blend of loaded adapters is labelled by its members (sorted); past ``MAX_MIX_LABELS`` blends with series,
+    the rest share ``mix``; a blend with an unloaded member is ``unknown``, and unloading a member drops its blends'
+    series."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from loraplex.server.metric_labels import MAX_MIX_LABELS, MIX_LABEL, UNKNOWN_LABEL, AdapterLabels
+
+    loaded = {f"a{i}" for i in range(12)}
+    labels = AdapterLabels(loaded.__contains__)
+    counter = Counter("requests", "requests", ["adapter"], registry=CollectorRegistry())
+    assert labels.label("a3+a1") == "a1+a3" and labels.label("a1+nope") == UNKNOWN_LABEL
+    blends = [f"a{i}+a{j}" for i in range(12) for j in range(i + 1, 12)]
+    seen = set()
+    for blend in blends:
+        label = labels.label(blend)
+        labels.child(counter, label).inc()
+        seen.add(label)
+    assert len(seen - {MIX_LABEL}) == MAX_MIX_LABELS and MIX_LABEL in seen
+    loaded.discard("a0")
+    labels.prune()
+    assert not any("a0+" in name for name in labels.names()) and MIX_LABEL in labels.names()
