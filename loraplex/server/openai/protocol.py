@@ -95,6 +95,11 @@ class _SamplingFields(StructuredFields, _Body):
     stop_token_ids: list[Int] | None = None
     prompt_logprobs: Int | None = ranged(minimum=0, maximum=MAX_LOGPROBS)
     priority: Int | None = None  # lower is admitted first, within the caller's tenant (fair share across)
+    # loraplex: false opts this request out of the server's speculative decoding (--speculative-config)
+    speculative_decoding: bool | None = Field(None, description=(
+        "false: decode this request one token per step even when the server runs speculative decoding "
+        "(--speculative-config); outputs are the same either way (greedy: identical; sampled: the same "
+        "distribution). Default true."))
 
     def _params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """The body's ``SamplingParams``; their ranges are checked once, by the engine, when the request is
@@ -118,6 +123,7 @@ class _SamplingFields(StructuredFields, _Body):
             logit_bias=_token_keys(self.logit_bias or {}),
             min_tokens=self.min_tokens or 0,
             structured_outputs=self.constraint(),
+            speculative_decoding=self.speculative_decoding is not False,
         )
 
     def field_of(self, param: str | None) -> str | None:
