@@ -98,6 +98,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="store the base weights as weight-only int8 (LoRA stays float)")
     p.add_argument("--lora-dtype", default=d.lora_dtype, choices=EngineConfig.LORA_DTYPES,
                    help="adapter weights in the host tier and slots: bfloat16 halves their bytes (%(default)s)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)')
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="recompute every prompt instead of reusing cached K/V of a shared prefix")
     p.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=EngineConfig.SCHEDULING_POLICIES,
@@ -244,7 +247,8 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             max_request_output_tokens=args.max_request_output_tokens,
                             max_prompt_logprobs_tokens=args.max_prompt_logprobs_tokens,
-                            max_adapters_per_request=args.max_adapters_per_request)
+                            max_adapters_per_request=args.max_adapters_per_request,
+                            speculative_config=args.speculative_config)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

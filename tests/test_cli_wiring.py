@@ -24,7 +24,7 @@ from loraplex import cli
 from loraplex.cli import build_parser
 from loraplex.client.base import EngineHealth
 from loraplex.client.restart import RestartPolicy
-from loraplex.config import EngineConfig
+from loraplex.config import EngineConfig, SpeculativeConfig
 
 
 @dataclasses.dataclass
@@ -146,6 +146,8 @@ ROWS: dict[str, tuple[list[str], Observe, object]] = {
     "--device": (["--device", "cpu"], lambda s: s.config.device, "cpu"),
     "--quantization": (["--quantization", "int8"], lambda s: s.config.quantization, "int8"),
     "--lora-dtype": (["--lora-dtype", "bfloat16"], lambda s: s.config.lora_dtype, "bfloat16"),
+    "--speculative-config": (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+                             lambda s: s.config.speculative_config, SpeculativeConfig(num_speculative_tokens=3)),
     "--no-prefix-caching": (["--no-prefix-caching"], lambda s: s.config.enable_prefix_caching, False),
     "--scheduling-policy": (["--scheduling-policy", "fcfs"], lambda s: s.config.scheduling_policy, "fcfs"),
     "--threads": (["--threads", "1"], lambda s: s.config.num_threads, 1),

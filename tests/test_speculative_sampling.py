@@ -6,15 +6,19 @@ token after an accepted draft token; and a greedy row keeps the longest matching
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from loraplex import LLM
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.engine.speculative.verify import accept_drafts
+from tests.fixtures import write_tiny_model
+from tests.reference import hf_model
 
 VOCAB = 6
 SAMPLES = 3000
-CHI2_CRITICAL = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74}  # P(chi2_df > x) = 1e-4
+CHI2_CRITICAL = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86, 7: 29.88}  # P(chi2_df > x) = 1e-4
 
 
 @dataclass
@@ -79,3 +83,26 @@ def test_greedy_rows_keep_the_longest_matching_prefix_then_the_argmax() -> None:
     rows = [Row(greedy, torch.Generator())] * 3
     firsts = [0, 0, 0]
     assert accept_drafts(logits, firsts, [[2, 5, 1], [2, 0, 1], [3, 5, 1]], rows) == [[2, 5, 1, 4], [2, 5], [2]]
+
+
+def test_an_engine_samples_what_plain_sampling_samples(tmp_path: Path) -> None:
+    """A tiny model with an 8-token vocabulary, a prompt full of repeats (every step drafts): the first and
+    second tokens of many sampled requests, speculation on, against HF's exact probabilities (the second's
+    marginal: sum over x1 of p(x1) p(x2 | x1))."""
+    folder = write_tiny_model(tmp_path / "v8", "llama", seed=3, vocab_size=8)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    llm = LLM(model=str(folder), kv_cache_blocks=4096, block_size=4, max_num_seqs=256, debug_checks=False,
+              speculative_config={"num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 1,
+                                  "disable_by_batch_size": 256})
+    outs = llm.generate([prompt] * 1500, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True),
+                        use_tqdm=False)
+    totals = llm.engine.scheduler.speculator.totals
+    assert 0 < totals.accepted_tokens < totals.draft_tokens
+    hf = hf_model(folder, None)
+    with torch.inference_mode():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)  # [8]
+        p2 = torch.softmax(hf(torch.tensor([prompt + [x] for x in range(8)])).logits[:, -1].double(), -1)  # [8, 8]
+    for position, exact in ((0, p1), (1, p1 @ p2)):
+        counts = torch.bincount(torch.tensor([o.token_ids[position] for o in outs]), minlength=8).double()
+        stat, df = chi_square(counts, exact)
+        assert stat < CHI2_CRITICAL[df], (position, stat)

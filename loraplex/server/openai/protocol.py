@@ -110,6 +110,11 @@ class _SamplingFields(StructuredFields, _Body):
     adapter_mix: list[AdapterMixEntry] | None = Field(None, json_schema_extra={"minItems": 1}, description=(
         "Blends loaded adapters, each delta times its scale, with model the base model's name: at most "
         "--max-adapters-per-request entries sharing one tokenizer (400 otherwise; 404 for an unknown name)."))
+    # loraplex: false opts this request out of the server's speculative decoding (--speculative-config)
+    speculative_decoding: bool | None = Field(None, description=(
+        "false: decode this request one token per step even when the server runs speculative decoding "
+        "(--speculative-config); outputs are the same either way (greedy: identical; sampled: the same "
+        "distribution). Default true."))
 
     def _params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """The body's ``SamplingParams``; their ranges are checked once, by the engine, when the request is
@@ -133,6 +138,7 @@ class _SamplingFields(StructuredFields, _Body):
             logit_bias=_token_keys(self.logit_bias or {}),
             min_tokens=self.min_tokens or 0,
             structured_outputs=self.constraint(),
+            speculative_decoding=self.speculative_decoding is not False,
         )
 
     def mix(self) -> list[tuple[str, float]] | None:
