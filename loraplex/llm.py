@@ -30,6 +30,7 @@ from loraplex.engine.pooling.params import PoolingParams
 from loraplex.engine.request import NewRequest, SamplingParams
 from loraplex.engine.stats import EngineStats
 from loraplex.errors import RequestError
+from loraplex.models.pooling_config import model_pooling
 
 
 class LLM:
@@ -139,9 +140,13 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[EmbeddingOutput]:
         """One embedding per prompt, in prompt order: each prompt runs as a prefill-only pooling request
-        (``SamplingParams(max_tokens=0, pooling=...)``; default ``PoolingParams()``: last token, normalized)
-        of its adapter, batched with whatever else the engine runs. Raises the first request's error."""
-        params = SamplingParams(max_tokens=0, pooling=pooling or PoolingParams())
+        (``SamplingParams(max_tokens=0, pooling=...)``; default: the model's pooling and normalization, from its
+        sentence-transformers config, else last token, normalized) of its adapter, batched with whatever else
+        the engine runs. Raises the first request's error."""
+        if pooling is None:
+            default = model_pooling(self.engine.model_path)
+            pooling = PoolingParams(default.pooling_type or "last", default.normalize)
+        params = SamplingParams(max_tokens=0, pooling=pooling)
         return [EmbeddingOutput.of(out) for out in self.generate(prompts, params, adapters, use_tqdm)]
 
     def _run(self, processor: OutputProcessor, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:

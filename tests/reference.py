@@ -73,20 +73,31 @@ def _encoder(folder: str) -> torch.nn.Module:
     return AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
 
 
+def _causal_lm_adapter(adapter_folder: Path) -> bool:
+    import json
+
+    return json.loads((adapter_folder / "adapter_config.json").read_text()).get("task_type") == "CAUSAL_LM"
+
+
 @torch.inference_mode()
 def hf_embeddings(base_folder: Path, adapter_folder: Path | None, prompts: list[list[int]], pooling_type: str = "last",
                   normalize: bool = True, dimensions: int | None = None) -> list[torch.Tensor]:
     """Sentence-transformers-style embeddings, one prompt at a time: HF ``AutoModel`` (+ PEFT with that one
-    adapter) ``last_hidden_state [P, hidden]``, pooled (``last``: row P-1, ``mean``: the mean of the P rows,
-    ``cls``: row 0), truncated to ``dimensions``, L2-normalised if asked. Float32 ``[dims]`` each."""
-    model = _encoder(str(base_folder))
-    if adapter_folder is not None:
-        model = PeftModel.from_pretrained(model, str(adapter_folder)).eval()
+    adapter; a CAUSAL_LM adapter wraps ``AutoModelForCausalLM``, whose decoder is that ``AutoModel``)
+    ``last_hidden_state [P, hidden]``, pooled (``last``: row P-1, ``mean``: the mean of the P rows, ``cls``:
+    row 0), truncated to ``dimensions``, L2-normalised if asked. Float32 ``[dims]`` each."""
+    if adapter_folder is not None and _causal_lm_adapter(adapter_folder):
+        wrapper = hf_model(base_folder, adapter_folder)
+        model = wrapper.get_base_model().model
+    else:
+        wrapper = model = _encoder(str(base_folder))
+        if adapter_folder is not None:
+            wrapper = model = PeftModel.from_pretrained(model, str(adapter_folder)).eval()
     out = []
     for prompt in prompts:
         h = model(input_ids=torch.tensor([prompt])).last_hidden_state[0].float()  # [P, hidden]
         v = {"last": h[-1], "mean": h.mean(0), "cls": h[0]}[pooling_type][:dimensions]
         out.append(torch.nn.functional.normalize(v, dim=0) if normalize else v)
     if adapter_folder is not None:
-        model.unload()  # restore the cached base model's modules
+        wrapper.unload()  # restore the cached base model's modules
     return out

@@ -153,3 +153,21 @@ def test_invalid_pooling_requests_name_their_field(llm: LLM, params: SamplingPar
     with pytest.raises(RequestError) as caught:
         llm.generate([[5, 6, 7]], params, use_tqdm=False)
     assert caught.value.param == field
+
+
+def test_embed_defaults_to_the_models_sentence_transformers_config(tiny_llama: Path, tmp_path: Path) -> None:
+    """``LLM.embed`` without ``pooling``: a folder whose modules.json pools the CLS row without a Normalize module
+    gets exactly that."""
+    import json
+    import shutil
+
+    folder = tmp_path / "st-cls"
+    shutil.copytree(tiny_llama, folder)
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
+    ids = [9, 8, 7, 6, 5]
+    [out] = LLM(model=str(folder), max_loras=1, kv_cache_blocks=16).embed([ids], use_tqdm=False)
+    assert_close(out.embedding, hf_embeddings(tiny_llama, None, [ids], "cls", normalize=False)[0])

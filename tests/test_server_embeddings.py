@@ -141,3 +141,23 @@ def test_unsupported_sentence_transformers_modules(st_model: Path, tmp_path: Pat
     pooling = model_pooling(folder)
     assert pooling.pooling_type is None and "Dense" in pooling.unsupported
     assert pooling.overridden("last").pooling_type == "last"
+
+
+def test_keys_scope_and_limits_apply(tiny_llama: Path, embedders: dict[str, Path], tmp_path: Path) -> None:
+    """As generation: a key sees only its adapters (others are 404, as unknown), its inputs are engine seats
+    (``max_running_requests``) and its prompt tokens count against ``tokens_per_minute`` (429)."""
+    from loraplex.server.tenancy.keys import ApiKey, KeyTable
+
+    keys = KeyTable([ApiKey("sk-emb-0123456789", "alpha", adapters=("emb_a",), base_model=False,
+                            max_running_requests=2, tokens_per_minute=20)])
+    with tiny_server(tiny_llama, embedders, tuple(embedders), (), tmp_path, app_options={"api_keys": keys},
+                     max_loras=2, kv_cache_blocks=64) as server:
+        def call(body: dict) -> httpx.Response:
+            return httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=60,
+                              headers={"Authorization": "Bearer sk-emb-0123456789"})
+
+        assert call({"model": "emb_b", "input": [5, 6]}).status_code == 404
+        assert call({"model": BASE, "input": [5, 6]}).status_code == 404
+        assert call({"model": "emb_a", "input": [[5, 6], [7, 8], [9, 10]]}).status_code == 429  # 3 seats > 2
+        assert call({"model": "emb_a", "input": list(range(5, 17))}).status_code == 200  # 12 tokens
+        assert call({"model": "emb_a", "input": list(range(5, 17))}).status_code == 429  # 24 > 20 a minute

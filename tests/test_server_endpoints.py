@@ -65,7 +65,7 @@ def test_tokenizer_info_is_the_tokenizers_config(server: Server, tiny_llama: Pat
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
 
 
-@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/embeddings"), ("POST", "/v1/images/generations"),
+@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/moderations"), ("POST", "/v1/images/generations"),
                                               ("GET", "/v1/files"), ("POST", "/v1/audio/speech")])
 def test_unimplemented_endpoints_are_openai_404s(server: Server, method: str, path: str) -> None:
     r = httpx.request(method, f"{server.url}{path}", json={"model": BASE, "input": "x"})

@@ -36,14 +36,13 @@ class ModelPooling:
     matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] = ()
     unsupported: str = ""
-    source: str = "causal LM default"
     hidden_size: int | None = None  # config.json's: the most ``dimensions`` may keep
 
     def overridden(self, pooling_type: str | None) -> ModelPooling:
         """These defaults with ``pooling_type`` chosen by the operator (None: as read)."""
         if pooling_type is None:
             return self
-        return replace(self, pooling_type=pooling_type, unsupported="", source=f"{self.source}, --pooling")
+        return replace(self, pooling_type=pooling_type, unsupported="")
 
 
 def _json(path: Path) -> object:
@@ -54,16 +53,15 @@ def _json(path: Path) -> object:
 
 def _sentence_transformers(folder: Path, modules: object) -> ModelPooling:
     if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
-        return ModelPooling(None, unsupported="modules.json is not a list of modules", source="modules.json")
+        return ModelPooling(None, unsupported="modules.json is not a list of modules")
     types = [str(m.get("type", "")) for m in modules]
     other = [t for t in types if t not in _KNOWN_MODULES]
     if other:
-        return ModelPooling(None, unsupported=f"sentence-transformers module {other[0]} is not supported",
-                            source="modules.json")
+        return ModelPooling(None, unsupported=f"sentence-transformers module {other[0]} is not supported")
     pooling = next((m for m in modules if m.get("type") == _KNOWN_MODULES[1]), None)
     normalize = _KNOWN_MODULES[2] in types
     if pooling is None:
-        return ModelPooling(None, normalize, unsupported="modules.json has no Pooling module", source="modules.json")
+        return ModelPooling(None, normalize, unsupported="modules.json has no Pooling module")
     config = _json(folder / str(pooling.get("path", "")) / "config.json")
     chosen = [mode for key, mode in _MODES.items() if isinstance(config, dict) and config.get(key) is True]
     others = [k for k, v in (config.items() if isinstance(config, dict) else ())
@@ -71,8 +69,8 @@ def _sentence_transformers(folder: Path, modules: object) -> ModelPooling:
     if others or len(chosen) != 1:
         why = (f"pooling mode {others[0]} is not supported" if others
                else "its Pooling config must enable exactly one of " + ", ".join(_MODES))
-        return ModelPooling(None, normalize, unsupported=why, source="1_Pooling/config.json")
-    return ModelPooling(chosen[0], normalize, source="sentence-transformers config")
+        return ModelPooling(None, normalize, unsupported=why)
+    return ModelPooling(chosen[0], normalize)
 
 
 def model_pooling(folder: str | Path) -> ModelPooling:
@@ -84,7 +82,7 @@ def model_pooling(folder: str | Path) -> ModelPooling:
             pooling = _sentence_transformers(folder, _json(folder / "modules.json"))
         config = _json(folder / "config.json") if (folder / "config.json").is_file() else {}
     except (OSError, ValueError) as exc:
-        return ModelPooling(None, unsupported=f"its pooling config could not be read: {exc}", source=str(folder))
+        return ModelPooling(None, unsupported=f"its pooling config could not be read: {exc}")
     if not isinstance(config, dict):
         config = {}
     hidden = config.get("hidden_size")

@@ -30,7 +30,7 @@ class EmbeddingRequest(_Body):
                                                      "items": {"minLength": 1, "minItems": 1}})
     encoding_format: Literal["float", "base64"] | None = "float"
     dimensions: Int | None = Field(None, json_schema_extra={"minimum": 1})
-    user: str | None = None  # accepted and kept (metrics, tenancy)
+    user: str | None = None  # OpenAI's end-user id: accepted, it changes nothing in the answer
     priority: Int | None = None  # vLLM's: lower is admitted first, within the caller's tenant
 
     def inputs(self) -> list[str | list[int]]:
