@@ -77,7 +77,8 @@ def cpu_list(value: str) -> list[int]:
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
-    p.add_argument("--model", default=d.model, help="local HF folder or the embedded default (%(default)s)")
+    p.add_argument("--model", default=d.model,
+                   help="local HF folder, a GGUF file (or a folder holding one), or the embedded default (%(default)s)")
     p.add_argument("--adapter", action="append", type=adapter_spec, default=[], metavar="NAME=PATH",
                    help="load a PEFT adapter folder at start (repeatable)")
     p.add_argument("--no-demo-adapters", action="store_true",

@@ -28,7 +28,9 @@ from tests.fixtures import write_peft_adapter, write_tiny_model
 from tests.gguf_fixtures import write_tiny_gguf
 from tests.model_harness import ShuffledBlocks, assert_logits_close, greedy, make_runner, random_prompts
 
-# name -> (family, HF config overrides, tensor types: GGUF name fragment -> type)
+# name -> (family, HF config overrides, tensor types: GGUF name fragment -> type). The files carry no tokenizer
+# (transformers spends seconds reading SmolLM2's) but TOKENIZED's, written from the same checkpoint as its case.
+TOKENIZED = "llama-q4_0+tokenizer"
 CASES = {
     "llama-q4_0": ("llama", {}, {"default": "Q4_0", "token_embd": "Q8_0", "attn_v": "Q8_0"}),
     "llama-q4_1-untied": ("llama", {"tie_word_embeddings": False}, {"default": "Q4_1", "output.": "Q4_0"}),
@@ -47,7 +49,10 @@ def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         root = tmp_path_factory.mktemp(f"gguf-{name}")
         hf = write_tiny_model(root / "hf", family, **overrides)
         (root / "gguf").mkdir()
-        out[name] = write_tiny_gguf(hf, root / "gguf" / f"{name}.gguf", types)
+        out[name] = write_tiny_gguf(hf, root / "gguf" / f"{name}.gguf", types, tokenizer=False)
+        if TOKENIZED.startswith(f"{name}+"):
+            (root / "tokenized").mkdir()
+            out[TOKENIZED] = write_tiny_gguf(hf, root / "tokenized" / "tokenized.gguf", types)
     return out
 
 
@@ -64,7 +69,7 @@ def _without_layer_types(cfg):  # noqa: ANN001, ANN202 - a ModelConfig of any fa
     return cfg
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, TOKENIZED])
 def test_config_is_transformers_reading_of_the_metadata(gguf_files: dict[str, Path], case: str) -> None:
     path = gguf_files[case]
     ours = hf_config(path)
@@ -111,19 +116,22 @@ def test_native_block_types_stay_in_blocks(gguf_files: dict[str, Path]) -> None:
 
 def test_tokenizer_and_chat_template_from_the_metadata(gguf_files: dict[str, Path]) -> None:
     """The engine's tokenizer is transformers' GGUF tokenizer: same ids, same chat template; text generation
-    through ``LLM`` equals HF's greedy continuation."""
-    path = gguf_files["llama-q4_0"]
+    through ``LLM`` equals HF's greedy continuation (on the same weights without the tokenizer); a file
+    without a tokenizer serves token ids only."""
+    path = gguf_files[TOKENIZED]
     llm = LLM(model=str(path), max_loras=1, kv_cache_blocks=64)
     reference = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     text = "Hello GGUF world: <|im_start|> 123"
     assert llm.tokenizer.encode(text) == reference.encode(text)
     assert llm.tokenizer.chat_template == reference.chat_template and "<|im_start|>" in reference.chat_template
-    assert llm.engine.model_name == path.name
+    assert llm.engine.model_name == path.name and llm.engine.model_path == path
     out = llm.generate(["The cat"], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
     prompt = reference.encode("The cat", add_special_tokens=False)
     with torch.inference_mode():
-        expected = hf_gguf(path).generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False)[0, len(prompt):]
+        same_weights = hf_gguf(gguf_files[TOKENIZED.split("+")[0]])
+        expected = same_weights.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False)[0, len(prompt):]
     assert out.token_ids == expected.tolist()
+    assert LLM(model=str(gguf_files["qwen2-q8_0"]), max_loras=1, kv_cache_blocks=16).tokenizer is None  # none stored
 
 
 def test_adapters_on_a_gguf_base_equal_hf_peft(gguf_files: dict[str, Path], tmp_path: Path) -> None:
@@ -182,7 +190,7 @@ def _corrupt(src: Path, dst: Path, edit) -> Path:  # noqa: ANN001 - bytes -> byt
 ])
 def test_corrupt_or_truncated_files_are_clear_errors(gguf_files: dict[str, Path], tmp_path: Path, kind: str,
                                                      message: str) -> None:
-    edits = {"magic": lambda b: b"GGUX" + b[4:], "header": lambda b: b[:2000], "data": lambda b: b[:-100],
+    edits = {"magic": lambda b: b"GGUX" + b[4:], "header": lambda b: b[:300], "data": lambda b: b[:-100],
              "empty": lambda b: b"", "version": lambda b: b[:4] + (7).to_bytes(4, "little") + b[8:]}
     bad = _corrupt(gguf_files["llama-q4_0"], tmp_path / "bad.gguf", edits[kind])
     with pytest.raises(GGUFError, match=message):
