@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from loraplex.config import EngineConfig
+from loraplex.engine.pooling.params import POOLING_TYPES
 from loraplex.errors import EngineUnavailable, LoraplexError
 from loraplex.server.openai.reasoning import REASONING_PARSERS
 from loraplex.server.openai.tool_parsers import PARSERS as TOOL_PARSERS
@@ -115,6 +116,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-logprobs-tokens", type=positive_int, default=None, metavar="N",
                    help="the most prompt tokens a request may ask prompt_logprobs of; past it a 400 on "
                         "prompt_logprobs (default: the context length)")
+    p.add_argument("--max-adapters-per-request", type=positive_int, default=d.max_adapters_per_request, metavar="N",
+                   help="the most adapters one request may blend (adapter_mix entries; each takes a device slot "
+                        "while it runs); past it a 400 on adapter_mix (default: %(default)s)")
 
 
 def _connection_args(serve: argparse.ArgumentParser) -> None:
@@ -148,6 +152,13 @@ def _parser_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS), metavar="NAME",
                        help="split chat output into reasoning_content and content, vLLM's names: "
                             + ", ".join(sorted(REASONING_PARSERS)) + " (default: none)")
+
+
+def _pooling_args(serve: argparse.ArgumentParser) -> None:
+    """How ``/v1/embeddings`` pools (``models/pooling_config.py``)."""
+    serve.add_argument("--pooling", default=None, choices=POOLING_TYPES,
+                       help="how /v1/embeddings pools the final hidden states: last token, mean or first (cls) "
+                            "(default: the model's sentence-transformers config, else last)")
 
 
 def _observability_args(serve: argparse.ArgumentParser) -> None:
@@ -202,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the step loop in a thread of the API process instead of its own process")
     _connection_args(serve)
     _parser_args(serve)
+    _pooling_args(serve)
     _observability_args(serve)
     gen = sub.add_parser("generate", help="print completions of PROMPT(s)")
     _engine_args(gen)
@@ -231,7 +243,8 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                             scheduling_policy=args.scheduling_policy, lora_dtype=args.lora_dtype,
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             max_request_output_tokens=args.max_request_output_tokens,
-                            max_prompt_logprobs_tokens=args.max_prompt_logprobs_tokens)
+                            max_prompt_logprobs_tokens=args.max_prompt_logprobs_tokens,
+                            max_adapters_per_request=args.max_adapters_per_request)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
@@ -280,7 +293,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                          preparer=preparer, request_timeout=args.request_timeout or None,
                          stall_timeout=args.stall_timeout, tool_call_parser=args.tool_call_parser,
                          reasoning_parser=args.reasoning_parser,
-                         otlp_traces_endpoint=args.otlp_traces_endpoint)
+                         otlp_traces_endpoint=args.otlp_traces_endpoint, pooling=args.pooling)
         _pin(client, args.pin_adapter, parser)
         stats, adapters = asyncio.run(_describe(client))
         info = client.info

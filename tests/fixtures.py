@@ -187,3 +187,22 @@ def write_peft_adapter(
                 p.normal_(0.0, b_std)
     peft_model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def write_embedding_adapter(base_folder: Path, folder: Path, rank: int = 8, seed: int = 0,
+                            target_modules: Sequence[str] = ALL_PROJECTIONS, b_std: float = 0.2) -> Path:
+    """A PEFT ``FEATURE_EXTRACTION`` LoRA adapter (what an embedder fine-tune saves: on ``AutoModel``, the
+    decoder without its lm_head, so tensor names lack CAUSAL_LM's ``model.``) with random non-zero B."""
+    from transformers import AutoModel
+
+    torch.manual_seed(seed)
+    base = AutoModel.from_pretrained(base_folder, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(target_modules), lora_dropout=0.0,
+                        bias="none", task_type="FEATURE_EXTRACTION")
+    peft_model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, b_std)
+    peft_model.save_pretrained(folder, safe_serialization=True)
+    return folder

@@ -49,3 +49,44 @@ def greedy_with_adapter(base_folder: Path, adapter_folder: Path | None, prompts:
 def with_adapter(base_folder: Path, adapter_folder: Path | None, prompts: list[list[int]], n: int) -> list[list[int]]:
     """Greedy outputs of each prompt under one adapter (or none)."""
     return [tokens for tokens, _ in greedy_with_adapter(base_folder, adapter_folder, prompts, n)]
+
+
+def with_mix(base_folder: Path, mix: list[tuple[Path, float]], prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy outputs of each prompt under PEFT's blend of ``mix`` (adapter folder, weight):
+    ``add_weighted_adapter(..., combination_type="cat")``, whose delta is ``sum_k w_k * B_k A_k`` (scaling folded)."""
+    model = PeftModel.from_pretrained(_base(str(base_folder)), str(mix[0][0]), adapter_name="m0")
+    for i, (folder, _) in enumerate(mix[1:], start=1):
+        model.load_adapter(str(folder), adapter_name=f"m{i}")
+    model.add_weighted_adapter([f"m{i}" for i in range(len(mix))], [w for _, w in mix], adapter_name="mix",
+                               combination_type="cat")
+    model.set_adapter("mix")
+    model.eval()
+    outs = [hf_greedy(model, p, n)[0] for p in prompts]
+    model.unload()  # restore the cached base model's modules
+    return outs
+
+
+@lru_cache(maxsize=2)
+def _encoder(folder: str) -> torch.nn.Module:
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_embeddings(base_folder: Path, adapter_folder: Path | None, prompts: list[list[int]], pooling_type: str = "last",
+                  normalize: bool = True, dimensions: int | None = None) -> list[torch.Tensor]:
+    """Sentence-transformers-style embeddings, one prompt at a time: HF ``AutoModel`` (+ PEFT with that one
+    adapter) ``last_hidden_state [P, hidden]``, pooled (``last``: row P-1, ``mean``: the mean of the P rows,
+    ``cls``: row 0), truncated to ``dimensions``, L2-normalised if asked. Float32 ``[dims]`` each."""
+    model = _encoder(str(base_folder))
+    if adapter_folder is not None:
+        model = PeftModel.from_pretrained(model, str(adapter_folder)).eval()
+    out = []
+    for prompt in prompts:
+        h = model(input_ids=torch.tensor([prompt])).last_hidden_state[0].float()  # [P, hidden]
+        v = {"last": h[-1], "mean": h.mean(0), "cls": h[0]}[pooling_type][:dimensions]
+        out.append(torch.nn.functional.normalize(v, dim=0) if normalize else v)
+    if adapter_folder is not None:
+        model.unload()  # restore the cached base model's modules
+    return out

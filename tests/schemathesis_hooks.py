@@ -3,11 +3,12 @@ Schema cannot state (each documented in the field's description and in docs/serv
 400 naming the field, tested in ``test_server_errors.py``): the prompt plus ``max_tokens`` must fit the
 context, the choices of one prompt may generate at most 16 contexts together (``n x max_tokens``, the
 request bound's default), ``top_logprobs`` needs ``logprobs: true``, ``reasoning_effort`` needs a chat
-template that reads it, and a structured-output or tool constraint must be one,
+template that reads it, ``lora_scale`` (other than 1) needs ``model`` to be an adapter and ``adapter_mix``
+loaded adapters' names with ``model`` the base model's, and a structured-output or tool constraint must be one,
 valid (a schema, regex or grammar that compiles; a tool_choice naming a tool) and not combined with
 ``ignore_eos`` / ``min_tokens`` (checked with the server's own request models). Prompts are counted
 exactly, with the served model's tokenizer and the server's own chat rendering (``LORAPLEX_TEST_MODEL``,
-``LORAPLEX_TEST_MAX_MODEL_LEN``)."""
+``LORAPLEX_TEST_MAX_MODEL_LEN``); ``/v1/embeddings``' inputs must each fit the context alike."""
 
 from __future__ import annotations
 
@@ -101,6 +102,8 @@ def filter_case(ctx: schemathesis.HookContext, case: Any) -> bool:
 
 def _acceptable(operation: str, body: object) -> bool:
     """Whether a generation ``body`` keeps every cross-field rule (module docstring); other bodies always."""
+    if operation == "/v1/embeddings" and isinstance(body, dict):
+        return _embedding_inputs_fit(body)
     if operation == "/v1/responses" and isinstance(body, dict):
         chat = _as_chat(body)
         if chat is None:
@@ -119,12 +122,27 @@ def _acceptable(operation: str, body: object) -> bool:
         return False
     if _unread_effort(body) or _bad_constraint(body):
         return False
+    if body.get("lora_scale") not in (None, 1) or body.get("adapter_mix") is not None:
+        return False  # a per-request LoRA plan needs loaded adapters' names (the served one has none)
     tokens = _prompt_tokens(body)
     if tokens is None:
         return True
     # without max_tokens a chat choice may run to the end of the context (the server's default)
     per_choice = limit if given or "prompt" in body else MAX_MODEL_LEN - tokens
     return tokens + limit <= MAX_MODEL_LEN and _choices(body) * per_choice <= REQUEST_OUTPUT_TOKENS
+
+
+def _embedding_inputs_fit(body: dict) -> bool:
+    """Whether every ``/v1/embeddings`` input's tokens (texts with the tokenizer's special tokens, as the server
+    encodes them) fit the context; a body that is schema-invalid anyway passes."""
+    given = body.get("input")
+    if isinstance(given, str) or (isinstance(given, list) and given and isinstance(given[0], int)):
+        given = [given]
+    if not isinstance(given, list):
+        return True
+    counts = [len(p) if isinstance(p, list) else len(_tokenizer().encode(p)) for p in given
+              if isinstance(p, (list, str))]
+    return max(counts, default=0) <= MAX_MODEL_LEN
 
 
 def _choices(body: dict) -> int:

@@ -176,6 +176,8 @@ ROWS: dict[str, tuple[list[str], Observe, object]] = {
                                     lambda s: s.config.max_request_output_tokens, 999),
     "--max-prompt-logprobs-tokens": (["--max-prompt-logprobs-tokens", "33"],
                                      lambda s: s.config.max_prompt_logprobs_tokens, 33),
+    "--max-adapters-per-request": (["--max-adapters-per-request", "3"],
+                                   lambda s: s.config.max_adapters_per_request, 3),
     "--header-timeout": (["--header-timeout", "2.5"], lambda s: s.uvicorn.http.header_timeout, 2.5),
     "--timeout-keep-alive": (["--timeout-keep-alive", "7"], lambda s: s.uvicorn.timeout_keep_alive, 7),
     "--h11-max-incomplete-event-size": (["--h11-max-incomplete-event-size", "4096"],
@@ -184,6 +186,7 @@ ROWS: dict[str, tuple[list[str], Observe, object]] = {
     "--stall-timeout": (["--stall-timeout", "3"], lambda s: s.app["stall_timeout"], 3),
     "--tool-call-parser": (["--tool-call-parser", "pythonic"], lambda s: s.app["tool_call_parser"], "pythonic"),
     "--reasoning-parser": (["--reasoning-parser", "qwen3"], lambda s: s.app["reasoning_parser"], "qwen3"),
+    "--pooling": (["--pooling", "mean"], lambda s: s.app["pooling"], "mean"),
     "--otlp-traces-endpoint": (["--otlp-traces-endpoint", "http://127.0.0.1:9/v1/traces"],
                                lambda s: s.app["otlp_traces_endpoint"], "http://127.0.0.1:9/v1/traces"),
 }

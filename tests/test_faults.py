@@ -3,7 +3,7 @@ preparation worker, and the in-process engine): a step that raises fails only it
 slot write fails only the requests that read that slot; a step loop that dies turns ``/health`` 503 and ends
 every open request with an error instead of leaving it hanging.
 
-Faults are armed at run time through the engine's test hook (``loraplex/engine/faults.py``: files in the
+Faults are armed at run time through the engine's test hook (``loraplex/engine/checks/faults.py``: files in the
 folder named by ``LORAPLEX_TEST_FAULTS``), so the same fault reaches either engine. Expected texts are HF
 transformers + PEFT's greedy tokens, decoded by HF's tokenizer. One server per mode serves the module's tests
 in file order; the dying step loop comes last."""
@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loraplex.engine.faults import FAULTS_ENV
+from loraplex.engine.checks.faults import FAULTS_ENV
 from tests.hf_text import hf_complete
 from tests.server_harness import MODES, Server, tiny_server, wait_until_idle
 
@@ -40,7 +40,7 @@ def server(request: pytest.FixtureRequest, tiny_llama: Path, tiny_llama_adapters
 
 @pytest.fixture
 def flags(server: Server) -> Path:
-    """The served engine's fault folder: a file written into it arms that fault (``loraplex/engine/faults.py``)."""
+    """The served engine's fault folder: a file written into it arms that fault (``engine/checks/faults.py``)."""
     return Path(os.environ[FAULTS_ENV])
 
 

@@ -38,7 +38,8 @@ def test_an_upward_import_breaks_the_contract(tmp_path: Path) -> None:
 
 SHARED_TYPES = {"loraplex.engine.request", "loraplex.engine.stats", "loraplex.engine.wire",
                 "loraplex.engine.sampling.params", "loraplex.engine.sampling.structured.params",
-                "loraplex.engine.sampling.structured.bounds"}  # the schema rewrite params.py applies
+                "loraplex.engine.sampling.structured.bounds",  # the schema rewrite params.py applies
+                "loraplex.engine.pooling.params"}
 
 
 def test_every_engine_module_is_a_shared_type_or_forbidden_to_the_server() -> None:

@@ -55,6 +55,27 @@ class RequestOutput:
     index: int = 0  # which choice of its prompt this is
     outputs: list[RequestOutput] = field(default_factory=list)
     times: EngineTimes | None = None  # the engine's instants for it, as of its latest output that sent them
+    embedding: list[float] | None = None  # a pooling request's vector (``SamplingParams.pooling``), once finished
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    """One prompt's embedding (``LLM.embed``): its adapter's name, prompt token ids and pooled vector
+    (``PoolingParams``: ``dimensions`` long, unit length when normalized)."""
+
+    request_id: str
+    adapter: str | None
+    prompt_token_ids: list[int]
+    embedding: list[float]
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> EmbeddingOutput:
+        """The embedding of a finished pooling request; its error if it failed."""
+        if out.error is not None:
+            raise out.error
+        if out.embedding is None:
+            raise RuntimeError(f"request {out.request_id} finished ({out.finish_reason}) without an embedding")
+        return cls(out.request_id, out.adapter, out.prompt_token_ids, out.embedding)
 
 
 _INCOMPLETE = "\ufffd"
@@ -165,7 +186,7 @@ def _full(out: EngineOutput, progress: _Progress, finished: bool, finish_reason:
         delta_text=detok.pop_delta(finished) if detok else "", finished=finished, finish_reason=finish_reason,
         error=out.error, logprobs=None if progress.logprobs is None else list(progress.logprobs),
         prompt_logprobs=None if progress.prompt_logprobs is None else list(progress.prompt_logprobs),
-        times=progress.times)
+        times=progress.times, embedding=out.embedding)
 
 
 def _accept(progress: _Progress, token_ids: list[int]) -> tuple[int, bool]:

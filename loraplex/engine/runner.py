@@ -30,9 +30,12 @@ class StepEntry:
     start_pos: int  # position of token_ids[0]
     block_table: tuple[int, ...]  # physical blocks covering positions [0, start_pos + len(token_ids))
     all_logits: bool = False  # logits of every token (prompt logprobs), not just the last one
+    pooled: bool = False  # a pooling request's chunk: no logits (its final hidden states are read instead)
 
     @property
     def num_logits(self) -> int:
+        if self.pooled:
+            return 0
         return len(self.token_ids) if self.all_logits else 1
 
 
@@ -137,9 +140,9 @@ def prepare_step(entries: Sequence[StepEntry], block_size: int, model_config: Mo
         num_tokens=len(flat),
     )
     logits_rows = cu_t[1:] - 1  # [S]
-    if any(e.all_logits for e in entries):
-        logits_rows = torch.tensor([r for i, e in enumerate(entries)
-                                    for r in (range(cu[i], cu[i + 1]) if e.all_logits else (cu[i + 1] - 1,))])
+    if any(e.all_logits or e.pooled for e in entries):
+        logits_rows = torch.tensor([r for i, e in enumerate(entries) for r in (
+            () if e.pooled else range(cu[i], cu[i + 1]) if e.all_logits else (cu[i + 1] - 1,))], dtype=torch.int64)
     return StepInputs(
         input_ids=torch.tensor(flat, dtype=torch.int64).to(device),
         positions=positions.to(device),
@@ -167,6 +170,19 @@ class ModelRunner:
         """Float32 logits ``[sum(e.num_logits), vocab]``: each entry's last token, or every token of an entry
         with ``all_logits``, in entry order; writes the entries' K/V into the cache. ``lora`` (if any) must
         list the tokens in the same flat order as ``entries``."""
+        step, lora = self._prepare(entries, lora)
+        return self.model(step.input_ids, step.positions, step.attn, self.kv_cache.kv, lora, step.logits_rows)
+
+    @torch.inference_mode()
+    def execute_pooled(self, entries: Sequence[StepEntry], lora: LoRABatch | None,
+                       hidden_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``execute``'s logits (``pooled`` entries have none), and the float32 final hidden states (after the
+        final norm, before ``lm_head``) of the flat rows ``hidden_rows [H]``: ``[H, hidden]``."""
+        step, lora = self._prepare(entries, lora)
+        return self.model.forward_hidden(step.input_ids, step.positions, step.attn, self.kv_cache.kv, lora,
+                                         step.logits_rows, hidden_rows.to(self.device))
+
+    def _prepare(self, entries: Sequence[StepEntry], lora: LoRABatch | None) -> tuple[StepInputs, LoRABatch | None]:
         step = prepare_step(entries, self.block_size, self.model.config, self.dtype, self.device,
                             self.model.served_vocab_size)  # adapters may add tokens
         if lora is not None and lora.num_tokens != step.attn.num_tokens:
@@ -175,4 +191,4 @@ class ModelRunner:
             if self._lora_on_device is None or self._lora_on_device[0] is not lora:
                 self._lora_on_device = (lora, lora.to(self.device))
             lora = self._lora_on_device[1]
-        return self.model(step.input_ids, step.positions, step.attn, self.kv_cache.kv, lora, step.logits_rows)
+        return step, lora

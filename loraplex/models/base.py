@@ -42,6 +42,7 @@ from loraplex.models.slot_writer import AdapterModules, write_adapter_slot
 from loraplex.ops.dense import dense_linear, pack_weight
 from loraplex.ops.int8 import Int8Weight
 from loraplex.ops.lora_batch import LoRABatch
+from loraplex.ops.quantized_weight import QuantizedWeight
 
 
 class CausalLM(nn.Module):
@@ -72,9 +73,9 @@ class CausalLM(nn.Module):
         if self.lm_head is not None:
             self.lm_head.weight.requires_grad_(False)
         # oneDNN-packed lm_head once ``pack_dense()`` ran, or its int8 form once ``quantize_int8()`` ran; the
-        # plain one stays (tied: the embedding reads it)
+        # plain one stays (tied: the embedding reads it); GGUF models set their lm_head's blocks here
         self.lm_head_packed: torch.Tensor | None = None
-        self.lm_head_int8: Int8Weight | None = None
+        self.lm_head_int8: QuantizedWeight | None = None
         self.lm_head_slots = LMHeadSlots(max_loras)  # per-slot lm_head adapter parts
 
     def make_layer(self, index: int) -> nn.Module:
@@ -164,6 +165,25 @@ class CausalLM(nn.Module):
         hidden = self.embed(input_ids, lora)  # [T, hidden]
         rope = self.rope_tables(positions, attn.seq_lens, hidden.dtype)
         return self.logits(self.run_layers(hidden, rope, attn, kv_caches, lora), logits_rows, lora)
+
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                       kv_caches: Sequence[torch.Tensor], lora: LoRABatch | None, logits_rows: torch.Tensor,
+                       hidden_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s logits ``[S, vocab']`` of ``logits_rows [S]`` (``[0, vocab']`` when S is 0), and the
+        float32 final hidden states of ``hidden_rows [H]``: ``hidden_states``' ``[H, hidden]``."""
+        hidden = self.embed(input_ids, lora)  # [T, hidden]
+        rope = self.rope_tables(positions, attn.seq_lens, hidden.dtype)
+        hidden = self.run_layers(hidden, rope, attn, kv_caches, lora)
+        if logits_rows.numel():
+            logits = self.logits(hidden, logits_rows, lora)
+        else:
+            logits = torch.empty((0, self.served_vocab_size), dtype=torch.float32, device=hidden.device)
+        return logits, self.hidden_states(hidden, hidden_rows)
+
+    def hidden_states(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The final norm of rows ``rows [H]`` of the last block's output ``hidden [T, hidden]`` -> float32
+        ``[H, hidden]`` (HF's ``last_hidden_state``: what pooling reads)."""
+        return self.norm(hidden.index_select(0, rows)).float()
 
     def run_layers(self, hidden: torch.Tensor, rope: Any, attn: AttentionMetadata, kv_caches: Sequence[torch.Tensor],
                    lora: LoRABatch | None) -> torch.Tensor:

@@ -6,6 +6,7 @@
 - ``routes/responses.py``: ``POST /v1/responses`` (streamable), ``GET``/``DELETE /v1/responses/{id}``;
 - ``routes/adapters.py``: adapter management and versions;
 - ``routes/tokenize.py``: ``POST /tokenize``, ``POST /detokenize``;
+- ``routes/embeddings.py``: ``POST /v1/embeddings``;
 - ``routes/ops.py``: ``GET /health``, ``GET /metrics``;
 - ``routes/playground.py``: ``GET /`` and ``GET /v1/slots``; ``openai/openapi.py``: ``GET /openapi.json``.
 
@@ -35,11 +36,13 @@ from fastapi import FastAPI
 
 from loraplex.client.base import EngineClient
 from loraplex.client.inproc import AsyncEngine
+from loraplex.models.pooling_config import model_pooling
 from loraplex.server.context import ServerContext
 from loraplex.server.lifecycle import LifecycleMiddleware, ServerLifecycle
 from loraplex.server.limits import BodyLimitMiddleware, default_max_request_bytes
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.on_demand import AdapterRoots, OnDemandLoader
+from loraplex.server.openai.embeddings import EmbeddingRequest
 from loraplex.server.openai.errors import install_error_handlers
 from loraplex.server.openai.openapi import install_openapi
 from loraplex.server.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -47,7 +50,7 @@ from loraplex.server.openai.reasoning import REASONING_PARSERS
 from loraplex.server.openai.responses_api.request import ResponsesRequest
 from loraplex.server.openai.tool_parsers import PARSERS
 from loraplex.server.prepare.preparer import PrepareConfig, RequestPreparer
-from loraplex.server.routes import adapters, generate, models, ops, responses, tokenize
+from loraplex.server.routes import adapters, embeddings, generate, models, ops, responses, tokenize
 from loraplex.server.routes.ops import DEFAULT_STALL_TIMEOUT_S
 from loraplex.server.routes.playground import mount_playground
 from loraplex.server.tenancy.access import AdapterPathPolicy, BearerAuthMiddleware, caller
@@ -58,7 +61,7 @@ from loraplex.server.tracing import RequestTracer
 API_KEY_ENV = "LORAPLEX_API_KEY"
 # the POST bodies routes read by hand (parsed off the event loop), put back into the OpenAPI schema
 READ_BY_HAND = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-                "/v1/responses": ResponsesRequest}
+                "/v1/responses": ResponsesRequest, "/v1/embeddings": EmbeddingRequest}
 
 
 def create_app(
@@ -77,6 +80,7 @@ def create_app(
     stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
     tool_call_parser: str | None = None, reasoning_parser: str | None = None,
     otlp_traces_endpoint: str | None = None,
+    pooling: str | None = None,
 ) -> FastAPI:
     """An app serving ``engine``: an ``EngineClient`` (a started ``EngineProcess``, an ``AsyncEngine``),
     an ``Engine`` or an ``LLM`` (both served in-process).
@@ -92,7 +96,8 @@ def create_app(
     is configured here, and ``prepare_processes`` is then ignored). ``request_timeout``: seconds a generation
     request may run before it is stopped (504); ``app.state.lifecycle`` drains the app on shutdown.
     ``stall_timeout``: seconds with requests open and no engine step before ``/health`` says ``stalled``.
-    Parsers: ``_check_parsers``."""
+    Parsers: ``_check_parsers``. ``pooling``: how ``/v1/embeddings`` pools (``last`` | ``mean`` | ``cls``; default:
+    the model's ``sentence-transformers`` config, else ``last``: ``models/pooling_config.py``)."""
     _check_parsers(tool_call_parser, reasoning_parser)
     client = engine if isinstance(engine, EngineClient) else AsyncEngine(getattr(engine, "engine", engine))
     if load_on_demand and not adapter_roots:
@@ -112,8 +117,9 @@ def create_app(
     client.step_observers.append(ctx.metrics.observe_step)
     app = FastAPI(title="loraplex", lifespan=partial(_lifespan, ctx))
     install_error_handlers(app)
+    app.state.pooling = model_pooling(client.model_path).overridden(pooling)
     install_openapi(app, max_model_len=client.max_model_len, auth=keys is not None, served=partial(_served_models, ctx),
-                    bodies=READ_BY_HAND)
+                    bodies=READ_BY_HAND, pooling=app.state.pooling)
     _add_middlewares(app, ctx, max_request_bytes or default_max_request_bytes(client.max_model_len))
     app.state.tool_call_parser, app.state.reasoning_parser = tool_call_parser, reasoning_parser
     _install_routes(app, ctx)
@@ -129,7 +135,7 @@ def _install_routes(app: FastAPI, ctx: ServerContext) -> None:
     app.state.on_demand = ctx.on_demand
     mount_playground(app, ctx.client.adapter_snapshot, runtime_adapters=ctx.policy.enabled,
                      may_view=lambda request: caller(request).adapters == ("*",))
-    for routes in (ops, models, generate, responses, tokenize, adapters):
+    for routes in (ops, models, generate, responses, tokenize, adapters, embeddings):
         app.include_router(routes.router)
 
 

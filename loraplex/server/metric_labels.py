@@ -6,6 +6,8 @@ maps a request's adapter to a label that is
 
 - the adapter's name while it is loaded,
 - ``base`` for the base model (``BASE_LABEL``),
+- ``mix`` for an adapter mix (``client/adapter_mix.py``: names joined by "+", which no adapter name holds)
+  whose members are all loaded (``MIX_LABEL``: one label, whatever the combination),
 - ``unknown`` for every other name (a 404, or an adapter unloaded before its request ended);
 
 and removes the series of a name once it is no longer loaded (``prune``), so the label values are
@@ -21,7 +23,8 @@ from typing import Any
 
 BASE_LABEL = "base"  # the ``adapter`` label value of requests to the base model
 UNKNOWN_LABEL = "unknown"  # requests naming no loaded adapter
-FIXED_LABELS = frozenset({BASE_LABEL, UNKNOWN_LABEL})
+MIX_LABEL = "mix"  # requests blending loaded adapters (an adapter_mix)
+FIXED_LABELS = frozenset({BASE_LABEL, UNKNOWN_LABEL, MIX_LABEL})
 
 
 class AdapterLabels:
@@ -37,6 +40,8 @@ class AdapterLabels:
     def label(self, adapter: str | None) -> str:
         if adapter is None:
             return BASE_LABEL
+        if "+" in adapter:
+            return MIX_LABEL if all(self._is_loaded(name) for name in adapter.split("+")) else UNKNOWN_LABEL
         return adapter if adapter not in FIXED_LABELS and self._is_loaded(adapter) else UNKNOWN_LABEL
 
     def child(self, metric: Any, label: str, *values: str) -> Any:

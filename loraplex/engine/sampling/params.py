@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from loraplex.engine.pooling.params import PoolingParams
 from loraplex.engine.sampling.structured.params import StructuredOutputsParams
 from loraplex.errors import RequestError
 
@@ -56,6 +57,11 @@ class SamplingParams:
       before everything above; for such a request ``logprobs`` are those of the constrained distribution
       (the raw logits with the disallowed tokens at -inf). It cannot be combined with ``ignore_eos`` or
       ``min_tokens`` (the grammar decides where the output ends).
+    - ``speculative_decoding``: False opts this request out of the engine's speculative decoding (when the
+      engine has a ``speculative_config``; it never changes a greedy output, only how fast it comes).
+    - ``pooling``: the request returns one vector pooled from its prompt's final hidden states
+      (``PoolingParams``: an embedding) instead of tokens; it needs ``max_tokens == 0`` and no logprobs,
+      choices or structured outputs.
     """
 
     max_tokens: int = 16
@@ -76,6 +82,8 @@ class SamplingParams:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     structured_outputs: StructuredOutputsParams | None = None
+    speculative_decoding: bool = True
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         # Accept a single string or any sequence for the tuple fields, and any mapping for logit_bias.
@@ -152,8 +160,27 @@ class SamplingParams:
                                "repetition_penalty")
         if not _integer(self.min_tokens) or self.min_tokens < 0:
             raise RequestError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}", "min_tokens")
+        if not isinstance(self.speculative_decoding, bool):
+            raise RequestError(f"speculative_decoding must be a boolean, got {self.speculative_decoding!r}",
+                               "speculative_decoding")
         self._validate_token_ids(vocab_size)
         self._validate_structured()
+        self._validate_pooling()
+
+    def _validate_pooling(self) -> None:
+        if self.pooling is None:
+            return
+        if not isinstance(self.pooling, PoolingParams):
+            raise RequestError("pooling must be a PoolingParams", "pooling")
+        if self.max_tokens != 0:
+            raise RequestError(f"a pooling request computes its prompt only: max_tokens must be 0, got "
+                               f"{self.max_tokens!r}", "max_tokens")
+        for name in ("logprobs", "prompt_logprobs", "structured_outputs"):
+            if getattr(self, name) is not None:
+                raise RequestError(f"{name} cannot be combined with pooling", name)
+        if self.n != 1:
+            raise RequestError(f"a pooling request has one output: n must be 1, got {self.n!r}", "n")
+        self.pooling.validate()
 
     def _validate_structured(self) -> None:
         if self.structured_outputs is None:

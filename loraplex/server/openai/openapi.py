@@ -17,6 +17,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from loraplex.models.pooling_config import ModelPooling
+from loraplex.server.openai.embeddings import complete_embedding_schema
 from loraplex.server.openai.schemas import ErrorResponse
 from loraplex.server.openai.strict_fields import (
     CHAT_UNIMPLEMENTED,
@@ -107,11 +109,13 @@ def _add_fields(schema: dict[str, Any], table: Mapping[str, tuple[tuple[Any, ...
 
 def install_openapi(app: FastAPI, *, max_model_len: int, auth: bool,
                     served: Callable[[], tuple[list[str], int]],
-                    bodies: Mapping[str, type[BaseModel]] = {}) -> None:  # noqa: B006 - read only
+                    bodies: Mapping[str, type[BaseModel]] = {},  # noqa: B006 - read only
+                    pooling: ModelPooling | None = None) -> None:
     """Replace ``app.openapi`` with the completed schema, built on first use and cached until
     ``reset_openapi``. ``served()`` gives the model names a request may use now and the widest
     vocabulary among them (an adapter may add tokens). ``bodies`` (path -> model) are the POST bodies
-    that routes read by hand (parsed off the event loop), put back into the schema."""
+    that routes read by hand (parsed off the event loop), put back into the schema. ``pooling``: the served
+    model's embedding defaults (what ``/v1/embeddings``' ``dimensions`` may be)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -120,6 +124,9 @@ def install_openapi(app: FastAPI, *, max_model_len: int, auth: bool,
             _add_bodies(schema, bodies)
             models, vocab = served()
             _complete(schema, vocab, max_model_len, auth, models)
+            if "EmbeddingRequest" in schema["components"]["schemas"]:
+                complete_embedding_schema(schema["components"]["schemas"]["EmbeddingRequest"], vocab, models,
+                                          pooling or ModelPooling())
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -153,7 +160,8 @@ def _complete(schema: dict[str, Any], vocab: int, max_len: int, auth: bool, mode
                 responses["401"] = {"description": STATUS_TEXT[401], "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
                 operation["security"] = [{"bearer": []}]
-            if auth and path in ("/v1/completions", "/v1/chat/completions"):  # a key's limits (tenancy/quotas.py)
+            limited = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+            if auth and path in limited:  # a key's limits (tenancy/quotas.py)
                 responses["429"] = {"description": STATUS_TEXT[429], "headers": RETRY_AFTER, "content": {
                     "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
     components = schema["components"]
@@ -169,6 +177,8 @@ def _complete(schema: dict[str, Any], vocab: int, max_len: int, auth: bool, mode
     _add_fields(schemas["ChatMessage"], MESSAGE_UNIMPLEMENTED)
     for model in ("StreamOptions", "LoadAdapterRequest", "UnloadAdapterRequest", *NESTED_PARTS):
         _add_fields(schemas[model], {})
+    if "EmbeddingRequest" in schemas:
+        _add_fields(schemas["EmbeddingRequest"], {})
     for model in ("CompletionRequest", "ChatCompletionRequest"):
         props = schemas[model]["properties"]
         props["model"]["examples"] = models

@@ -68,9 +68,9 @@ def _worker(config: PrepareConfig, base: Any) -> PrepareWorker:
     worker = getattr(_local, "worker", None)
     if worker is None or worker.config != config:
         if base is None and config.tokenizer_path is not None:
-            from transformers import AutoTokenizer
+            from loraplex.models.tokenizer_source import model_tokenizer
 
-            base = AutoTokenizer.from_pretrained(config.tokenizer_path)
+            base = model_tokenizer(config.tokenizer_path)
         worker = _local.worker = PrepareWorker(config, VersionTokenizers(base))
     return worker
 
@@ -149,6 +149,13 @@ class RequestPreparer:
 
     async def chat(self, parsed: Parsed, version: Version) -> Prepared:
         return await self._run("chat", self._light(parsed), self._job(version))
+
+    async def parse_embedding(self, raw: bytes) -> Parsed:
+        light = bool(self.processes)
+        return Parsed(await self._run("parse_embedding", raw, light), raw, light)
+
+    async def embedding(self, parsed: Parsed, version: Version) -> Prepared:
+        return await self._run("embedding", self._light(parsed), self._job(version))
 
     @staticmethod
     def _light(parsed: Parsed) -> Parsed:

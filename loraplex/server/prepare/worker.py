@@ -27,6 +27,7 @@ from loraplex.client.tokenizers import VersionTokenizers
 from loraplex.engine.request import check_context_length
 from loraplex.errors import RequestError
 from loraplex.server.limits import check_stop
+from loraplex.server.openai.embeddings import EmbeddingRequest
 from loraplex.server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,7 +48,7 @@ class Parsed:
     """A parsed generation body: ``body`` (light, in a process pool: see the module docstring) and the raw
     bytes the second phase parses again when it needs the prompt."""
 
-    body: Any  # CompletionRequest | ChatCompletionRequest
+    body: Any  # CompletionRequest | ChatCompletionRequest | EmbeddingRequest
     raw: bytes
     light: bool
 
@@ -104,6 +105,19 @@ class PrepareWorker:
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return Prepared([self.token_ids(tokenizer, body.prompt_text(tokenizer), _reserve(limit, 1), "messages")], [])
 
+    def parse_embedding(self, raw: bytes, light: bool) -> EmbeddingRequest:
+        body = _parse(EmbeddingRequest, raw)
+        return body.model_copy(update={"input": ""}) if light else body
+
+    def embedding(self, parsed: Parsed, version: Version) -> Prepared:
+        """``/v1/embeddings``' inputs as token ids: texts tokenized as sentence-transformers does (with the
+        tokenizer's special tokens), token ids as given."""
+        body = _parse(EmbeddingRequest, parsed.raw) if parsed.light else parsed.body
+        tokenizer = self.tokenizers.tokenizer_for(version)
+        inputs = body.inputs()
+        check_unicode(inputs, "input")
+        return Prepared([self.token_ids(tokenizer, text, 0, "input", special_tokens=True) for text in inputs], [])
+
     def tokenize(self, body: Any, version: Version) -> tuple[list[int], list[str] | None]:
         """``/tokenize``: (token ids, their strings when asked) of a prompt or of rendered chat messages."""
         tokenizer = self.tokenizers.tokenizer_for(version)
@@ -119,9 +133,11 @@ class PrepareWorker:
     def detokenize(self, tokens: list[int], version: Version) -> str:
         return self.tokenizers.tokenizer_for(version).decode(tokens)
 
-    def token_ids(self, tokenizer: Any, prompt: str | list[int], reserve: int, param: str) -> list[int]:
-        """The prompt's token ids; a text that cannot fit the context with ``reserve`` new tokens is refused
-        (``RequestError`` on ``param``) before it is tokenized."""
+    def token_ids(self, tokenizer: Any, prompt: str | list[int], reserve: int, param: str,
+                  special_tokens: bool = False) -> list[int]:
+        """The prompt's token ids (with the tokenizer's special tokens when ``special_tokens``); a text that
+        cannot fit the context with ``reserve`` new tokens is refused (``RequestError`` on ``param``) before it
+        is tokenized."""
         if not isinstance(prompt, str):
             return list(prompt)
         if tokenizer is None:
@@ -134,7 +150,7 @@ class PrepareWorker:
             except RequestError as exc:
                 exc.param = param if exc.param == "prompt" else exc.param
                 raise
-        return tokenizer.encode(prompt, add_special_tokens=False)
+        return tokenizer.encode(prompt, add_special_tokens=special_tokens)
 
     def bound(self, tokenizer: Any) -> PromptBound | None:
         """``tokenizer``'s ``PromptBound``, computed once per tokenizer."""
@@ -182,7 +198,7 @@ def _parse(model: type[BaseModel], raw: bytes) -> Any:
         body = model.model_validate_json(raw)
     except ValidationError as exc:
         raise InvalidBody([_portable_error(e) for e in exc.errors(include_url=False, include_input=False)]) from None
-    check_stop(body.stop)
+    check_stop(getattr(body, "stop", None))
     return body
 
 
