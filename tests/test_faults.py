@@ -19,10 +19,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
 
 from loraplex.engine.checks.faults import FAULTS_ENV
-from tests.reference import with_adapter
+from tests.hf_text import hf_complete
 from tests.server_harness import MODES, Server, tiny_server, wait_until_idle
 
 CONFIG = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=2, debug_checks=True)
@@ -43,13 +42,6 @@ def server(request: pytest.FixtureRequest, tiny_llama: Path, tiny_llama_adapters
 def flags(server: Server) -> Path:
     """The served engine's fault folder: a file written into it arms that fault (``engine/checks/faults.py``)."""
     return Path(os.environ[FAULTS_ENV])
-
-
-def hf_text(tiny_llama: Path, adapter: Path, prompt: str, max_tokens: int) -> str:
-    """HF + PEFT's greedy ``max_tokens`` (EOS ignored) after ``prompt``, decoded by HF's tokenizer."""
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
-    [tokens] = with_adapter(tiny_llama, adapter, [tokenizer.encode(prompt)], max_tokens)
-    return tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 def stream(url: str, model: str, prompt: str, max_tokens: int, events: list[dict]) -> None:
@@ -104,7 +96,7 @@ def test_a_failing_step_fails_only_its_requests(server: Server, flags: Path, tin
         assert "error" in events[i][-1] and "injected fault" in events[i][-1]["error"]["message"], events[i][-1]
     for i in (2, 3):
         text = "".join(e["choices"][0]["text"] for e in events[i])
-        assert text == hf_text(tiny_llama, tiny_llama_adapters["r8_all"], PROMPTS[i], 8)
+        assert text == hf_complete(tiny_llama, tiny_llama_adapters["r8_all"], PROMPTS[i], 8, ignore_eos=True).text
     health = httpx.get(f"{server.url}/health").json()
     assert health["status"] == "ok" and health["step_failures"] == before + 1
     assert "injected fault" in health["last_step_error"]
@@ -120,7 +112,7 @@ def test_a_nan_slot_write_fails_only_the_requests_reading_it(server: Server, fla
     (flags / "nan-slot").write_text(str(tiny_llama_adapters["r4_attn"]))
     try:
         client = server.client()
-        expected = hf_text(tiny_llama, tiny_llama_adapters["r8_all"], PROMPTS[0], 6)
+        expected = hf_complete(tiny_llama, tiny_llama_adapters["r8_all"], PROMPTS[0], 6, ignore_eos=True).text
         kw = dict(prompt=PROMPTS[0], max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
         assert client.completions.create(model="r8_all", **kw).choices[0].text == expected
         r = httpx.post(f"{server.url}/v1/completions", timeout=60,
