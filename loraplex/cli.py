@@ -115,6 +115,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-logprobs-tokens", type=positive_int, default=None, metavar="N",
                    help="the most prompt tokens a request may ask prompt_logprobs of; past it a 400 on "
                         "prompt_logprobs (default: the context length)")
+    p.add_argument("--grammar-compile-timeout", type=seconds, default=d.grammar_compile_timeout_s, metavar="SECONDS",
+                   help="time budget of one structured-output grammar compile; past it a 400 on structured_outputs "
+                        "and its worker process is killed (%(default)s)")
+    p.add_argument("--grammar-compile-workers", type=positive_int, default=d.grammar_compile_workers, metavar="N",
+                   help="grammar-compile worker processes; one tenant may hold all but one (%(default)s)")
 
 
 def _connection_args(serve: argparse.ArgumentParser) -> None:
@@ -231,7 +236,9 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                             scheduling_policy=args.scheduling_policy, lora_dtype=args.lora_dtype,
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             max_request_output_tokens=args.max_request_output_tokens,
-                            max_prompt_logprobs_tokens=args.max_prompt_logprobs_tokens)
+                            max_prompt_logprobs_tokens=args.max_prompt_logprobs_tokens,
+                            grammar_compile_timeout_s=args.grammar_compile_timeout,
+                            grammar_compile_workers=args.grammar_compile_workers)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

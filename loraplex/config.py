@@ -320,6 +320,11 @@ class EngineConfig:
     max_request_output_tokens: int | None = None
     # The most prompt tokens one request may ask prompt logprobs of; None: the context length.
     max_prompt_logprobs_tokens: int | None = None
+    # Structured-output grammars compile in this many worker processes (engine/sampling/structured/compile_pool.py:
+    # a tenant may hold all but one of them), each compile within this many seconds (past it: a 400 on
+    # structured_outputs, and the worker is killed).
+    grammar_compile_workers: int = 2
+    grammar_compile_timeout_s: float = 10.0
 
     QUANTIZATIONS: ClassVar[tuple[str, ...]] = ("int8",)
     LORA_DTYPES: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
@@ -347,6 +352,9 @@ class EngineConfig:
         for field in ("max_request_output_tokens", "max_prompt_logprobs_tokens"):
             if getattr(self, field) is not None and getattr(self, field) < 1:
                 raise ValueError(f"EngineConfig.{field} must be >= 1 or None, got {getattr(self, field)}")
+        if self.grammar_compile_workers < 1 or not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"EngineConfig.grammar_compile_workers must be >= 1 and grammar_compile_timeout_s > 0, "
+                             f"got {self.grammar_compile_workers}, {self.grammar_compile_timeout_s}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineConfig.num_threads must be >= 1 or None, got {self.num_threads}")
         if self.max_cpu_loras < self.max_loras:

@@ -102,7 +102,7 @@ class RequestIntake:
     def make(self, item: NewRequest, tags: RequestTags) -> Request:
         info = self.adapters.hold(item.version_id) if item.version_id is not None else None
         try:
-            request = self._build(item, info.name if info is not None else None)
+            request = self._build(item, info.name if info is not None else None, tags.tenant)
         except BaseException:
             if info is not None:
                 self.adapters.release_hold(info.version_id)
@@ -112,12 +112,14 @@ class RequestIntake:
         return request
 
     def release(self, request: Request) -> None:
-        """Release the hold of a request that will never be queued."""
+        """Release the hold (and abandon the grammar compile) of a request that will never be queued."""
+        if request.grammar is not None:
+            request.grammar.abandon()
         if request.holds_version:
             self.adapters.release_hold(request.version_id)
             request.holds_version = False
 
-    def _build(self, item: NewRequest, adapter: str | None) -> Request:
+    def _build(self, item: NewRequest, adapter: str | None, tenant: str | None) -> Request:
         tokenizer, vocab_size = self.version(item.version_id)
         params = item.params
         params.validate(vocab_size)
@@ -131,5 +133,5 @@ class RequestIntake:
         check_context_length(len(token_ids), params.max_tokens, self.max_model_len)
         generator = self._generator if params.seed is None else torch.Generator().manual_seed(params.torch_seed)
         request_id = item.request_id if item.request_id is not None else f"req-{next(self._ids)}"
-        grammar = self.grammars.state_for(params.structured_outputs, tokenizer, vocab_size)  # compiles off the loop
+        grammar = self.grammars.state_for(params.structured_outputs, tokenizer, vocab_size, tenant)  # off the loop
         return Request(request_id, list(token_ids), params, adapter, item.version_id, generator, grammar=grammar)
