@@ -238,7 +238,8 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                             max_request_output_tokens=args.max_request_output_tokens,
                             max_prompt_logprobs_tokens=args.max_prompt_logprobs_tokens,
                             grammar_compile_timeout_s=args.grammar_compile_timeout,
-                            grammar_compile_workers=args.grammar_compile_workers)
+                            grammar_compile_workers=args.grammar_compile_workers,
+                            grammar_compile_warm=args.command == "serve")
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

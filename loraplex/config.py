@@ -325,6 +325,8 @@ class EngineConfig:
     # structured_outputs, and the worker is killed).
     grammar_compile_workers: int = 2
     grammar_compile_timeout_s: float = 10.0
+    # Start those workers with the engine (``loraplex serve``) rather than on the first structured request.
+    grammar_compile_warm: bool = False
 
     QUANTIZATIONS: ClassVar[tuple[str, ...]] = ("int8",)
     LORA_DTYPES: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")

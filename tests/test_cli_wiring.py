@@ -227,3 +227,9 @@ def test_engine_config_reads_max_waiting_requests_only_on_serve() -> None:
     del args.max_waiting_requests  # a renamed flag is an error, not an unbounded queue
     with pytest.raises(AttributeError):
         cli.engine_config(args, parser)
+
+
+def test_serve_starts_the_grammar_compile_workers_with_the_engine() -> None:
+    parser = build_parser()
+    assert cli.engine_config(parser.parse_args(["serve"]), parser).grammar_compile_warm
+    assert not cli.engine_config(parser.parse_args(["generate", "x"]), parser).grammar_compile_warm

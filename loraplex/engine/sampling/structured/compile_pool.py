@@ -4,12 +4,14 @@ among tenants so that one tenant's compiles never hold every worker.
 Untrusted schemas within every static limit (``params.check_limits``) can still take minutes to compile
 (512 properties with a short ``pattern`` each: 96 s here). So compiles run in ``workers`` processes
 (``compile_worker.py``; xgrammar releases the GIL, but a compile cannot be stopped in a thread, and a
-process can be killed), started on the first submission. Each worker has a thread here that sends it
-one ``CompileTask`` at a time and waits for the answer:
+process can be killed), started on the first submission or by ``start`` (``loraplex serve`` starts
+them with the engine: the first structured request would otherwise wait seconds for their imports).
+Each worker has a thread here that sends it one ``CompileTask`` at a time and waits for the answer:
 
 - **time budget**: a compile that has not answered ``timeout_s`` seconds after it was sent fails with a
   ``RequestError`` (a 400 on ``structured_outputs``) naming the budget; its worker is killed and
-  replaced (the replacement imports for seconds before it takes a task; the budget counts from the send);
+  replaced (the replacement imports for seconds, still counted in its tenant's share; the budget counts
+  from the send);
 - **cancellation**: ``abandon`` is called when a request waiting for the task goes away; when no request
   waits any more the task is dropped from the queue, or its worker killed and replaced if it runs;
 - **tenant share**: a free worker takes the oldest queued task of a tenant running fewer than
@@ -110,14 +112,20 @@ class CompilePool:
         self._started = self._stopping = False
         self.killed = 0  # workers killed (a compile past its budget, or cancelled while it ran)
 
-    def submit(self, task: CompileTask) -> None:
-        """Queue ``task``; its ``future`` gets the compiled grammar or the compile's exception."""
+    def start(self) -> None:
+        """Start the worker processes now (idempotent; the first ``submit`` does otherwise): each imports
+        xgrammar for seconds, in the background."""
         with self._cond:
             if not self._started:
                 self._started = True
                 for i, worker in enumerate(self._workers):
                     threading.Thread(target=_serve, args=(self, worker), daemon=True,
                                      name=f"loraplex-grammar-{i}").start()
+
+    def submit(self, task: CompileTask) -> None:
+        """Queue ``task``; its ``future`` gets the compiled grammar or the compile's exception."""
+        self.start()
+        with self._cond:
             self._queue.append(task)
             self._cond.notify_all()
 
