@@ -36,6 +36,7 @@ TIMEOUT_S = 3.0
 HOSTILE = {"type": "object", "required": [f"p{i}" for i in range(512)],
            "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,50}"} for i in range(512)}}
 CHOICES = ["red", "green", "blue"]
+TIMED_OUT, CANCELLED = "past its time budget", "cancelled"  # CompilePool.killed's reasons
 
 
 def hostile(salt: int = 0) -> StructuredOutputsParams:
@@ -70,7 +71,7 @@ def step_until(engine: Engine, results: dict[str, Progress], done: Callable[[], 
 
 def test_a_hostile_compile_is_bounded_and_does_not_stall_another_tenant(engine: Engine) -> None:
     pool, results = engine.grammars.pool, {}
-    killed, pids = pool.killed, set(pool.worker_pids())
+    timeouts, pids = pool.killed[TIMED_OUT], set(pool.worker_pids())
     add(engine, "bomb", "Answer:", params(hostile(1)), tags=RequestTags("attacker"))
     add(engine, "bomb-2", "Answer:", params(hostile(2)), tags=RequestTags("attacker"))
     step_until(engine, results, lambda: pool.running() == 1)  # the first bomb is compiling
@@ -84,7 +85,7 @@ def test_a_hostile_compile_is_bounded_and_does_not_stall_another_tenant(engine: 
     error = results["bomb"].error
     assert isinstance(error, RequestError) and error.param == "structured_outputs", error
     assert f"within {TIMEOUT_S:g} s" in str(error) and "--grammar-compile-timeout" in str(error)
-    assert pool.killed == killed + 1
+    assert pool.killed[TIMED_OUT] == timeouts + 1
     step_until(engine, results, lambda: len(pool.worker_pids()) == 2)  # replaced
     assert set(pool.worker_pids()) != pids
     engine.abort_request("bomb-2")  # queued or compiling by now: dropped or killed
@@ -94,18 +95,19 @@ def test_a_hostile_compile_is_bounded_and_does_not_stall_another_tenant(engine: 
 
 def test_an_abandoned_compile_is_killed_and_a_shared_one_survives_one_abort(engine: Engine) -> None:
     pool, results = engine.grammars.pool, {}
-    killed = pool.killed
+    cancels, timeouts = pool.killed[CANCELLED], pool.killed[TIMED_OUT]
     add(engine, "bomb", "Answer:", params(hostile(4)), tags=RequestTags("attacker"))
     step_until(engine, results, lambda: pool.running() == 1)
     engine.abort_request("bomb")
-    step_until(engine, results, lambda: pool.killed == killed + 1 and pool.running() == 0)
+    step_until(engine, results, lambda: pool.killed[CANCELLED] == cancels + 1 and pool.running() == 0)
+    assert pool.killed[TIMED_OUT] == timeouts  # killed at the abort, not at the end of its budget
     assert results["bomb"].finish_reason == "abort"
     shared = StructuredOutputsParams(choice=["on", "off"])
     add(engine, "first", "Switch:", params(shared), tags=RequestTags("a"))
     add(engine, "second", "Switch:", params(shared), tags=RequestTags("b"))  # the same compile: a cache hit
     engine.abort_request("first")
     step_until(engine, results, lambda: "second" in results and results["second"].finished)
-    assert results["second"].error is None and pool.killed == killed + 1
+    assert results["second"].error is None and pool.killed[CANCELLED] == cancels + 1
     assert engine.tokenizer.decode(results["second"].token_ids[:-1]) in ("on", "off")
 
 

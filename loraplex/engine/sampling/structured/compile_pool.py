@@ -110,7 +110,7 @@ class CompilePool:
         self._running: Counter[str | None] = Counter()  # compiles running per tenant
         self._cond = threading.Condition()
         self._started = self._stopping = False
-        self.killed = 0  # workers killed (a compile past its budget, or cancelled while it ran)
+        self.killed: Counter[str] = Counter()  # workers killed, by why: "past its time budget", "cancelled"
 
     def start(self) -> None:
         """Start the worker processes now (idempotent; the first ``submit`` does otherwise): each imports
@@ -257,4 +257,4 @@ def _stop(pool: CompilePool, worker: _Worker, task: CompileTask, why: str) -> No
     logger.warning("grammar compile %s after %.1f s (tenant %s): killing its worker", why,
                    time.monotonic() - (task.sent_at or 0), task.tenant)
     worker.kill()
-    pool.killed += 1
+    pool.killed[why] += 1
