@@ -7,7 +7,7 @@ each victim's gaps between chunks while the attack is in flight are kept; the ta
 p50 / p99 / max against the no-attacker run of the same process, the attack's status and how long it took.
 On a shared host the absolute numbers move with the load; the ratios to the quiet run are the result.
 
-    python -m benchmarks.isolation [--victims 4] [--tokens 96] [--model PATH] [--attacks NAME,...]
+    python -m benchmarks.isolation [--victims 4] [--tokens 96] [--model PATH] [--attacks "NAME;..."]
                                    [--max-num-batched-tokens N] [--out benchmarks/results/isolation.json]
 """
 
@@ -157,11 +157,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--model", default=None, help="a checkpoint folder (default: the embedded SmolLM2)")
     parser.add_argument("--out", default="benchmarks/results/isolation.json")
-    parser.add_argument("--attacks", default=None, help="comma-separated names of ATTACKS to run (default: all)")
+    parser.add_argument("--attacks", default=None, help="names of ATTACKS to run, separated by \";\" (default: all)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="the server's per-step budget")
     args = parser.parse_args()
     attacks = ATTACKS if args.attacks is None else {
-        name: ATTACKS[name] for name in ["none", *(a.strip() for a in args.attacks.split(","))]}
+        name: ATTACKS[name] for name in ["none", *(a.strip() for a in args.attacks.split(";"))]}
     root = Path(tempfile.mkdtemp(prefix="loraplex-isolation-"))
     port = free_port()
     cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--port", str(port), "--served-model-name", "base",
