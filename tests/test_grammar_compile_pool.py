@@ -2,9 +2,9 @@
 ``Engine`` over the tiny Llama (SmolLM2's tokenizer) driven step by step, with the pool's own counters as
 hooks (no wall-clock bounds):
 
-- a schema within every static limit whose compile takes minutes (512 properties, each with a short
-  ``pattern``: 96 s here) fails its request alone with a 400-class ``RequestError`` naming the time
-  budget, and its worker process is killed and replaced;
+- a schema within every static limit whose compile takes long (512 properties, each with a
+  ``pattern`` of ten optional letters: 23 s here under load) fails its request alone with a 400-class
+  ``RequestError`` naming the time budget, and its worker process is killed and replaced;
 - while it compiles, another tenant's small schema is compiled and its request served to the end: it
   does not queue behind the hostile one; a second hostile schema of the same tenant waits for the first
   (a tenant holds at most all but one worker);
@@ -32,9 +32,10 @@ from loraplex.errors import RequestError
 from tests.engine_harness import Progress, add, gather
 
 TIMEOUT_S = 3.0
-# within every static limit of params.py (512 properties, 12-character patterns), minutes to compile
+# within every static limit of params.py (512 properties, 60-character patterns without a repetition bound):
+# 23 s to compile here under load
 HOSTILE = {"type": "object", "required": [f"p{i}" for i in range(512)],
-           "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,50}"} for i in range(512)}}
+           "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]?" * 10} for i in range(512)}}
 CHOICES = ["red", "green", "blue"]
 TIMED_OUT, CANCELLED = "past its time budget", "cancelled"  # CompilePool.killed's reasons
 

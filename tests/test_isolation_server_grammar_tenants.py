@@ -1,8 +1,8 @@
 """One tenant's hostile grammar does not stall another's (issue 30, item 4), over real HTTP in both engine
 modes, with scoped keys (tenants ``attacker``, ``victim``, ``reader``) and a 3 s compile budget:
 
-the attacker sends a schema within every static limit that takes minutes to compile (512 properties with
-a short ``pattern`` each); while it compiles, the victim's small schema is answered (200, one of its
+the attacker sends a schema within every static limit that takes long to compile (512 properties with
+a ``pattern`` of ten optional letters each); while it compiles, the victim's small schema is answered (200, one of its
 choices) *before* the attacker's answer, which is a 400 on ``structured_outputs`` naming the budget; and
 the reader's stream keeps flowing meanwhile (chunks arrive between the bomb's send and the victim's
 answer). On main the bomb got no answer in 45-60 s and the victim's schema waited behind it. Ordering,
