@@ -123,6 +123,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-adapters-per-request", type=positive_int, default=d.max_adapters_per_request, metavar="N",
                    help="the most adapters one request may blend (adapter_mix entries; each takes a device slot "
                         "while it runs); past it a 400 on adapter_mix (default: %(default)s)")
+    p.add_argument("--grammar-compile-timeout", type=seconds, default=d.grammar_compile_timeout_s, metavar="SECONDS",
+                   help="time budget of one structured-output grammar compile; past it a 400 on structured_outputs "
+                        "and its worker process is killed (%(default)s)")
+    p.add_argument("--grammar-compile-workers", type=positive_int, default=d.grammar_compile_workers, metavar="N",
+                   help="grammar-compile worker processes; one tenant may hold all but one (%(default)s)")
 
 
 def _connection_args(serve: argparse.ArgumentParser) -> None:
@@ -249,7 +254,10 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                             max_request_output_tokens=args.max_request_output_tokens,
                             max_prompt_logprobs_tokens=args.max_prompt_logprobs_tokens,
                             max_adapters_per_request=args.max_adapters_per_request,
-                            speculative_config=args.speculative_config)
+                            speculative_config=args.speculative_config,
+                            grammar_compile_timeout_s=args.grammar_compile_timeout,
+                            grammar_compile_workers=args.grammar_compile_workers,
+                            grammar_compile_warm=args.command == "serve")
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

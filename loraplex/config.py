@@ -385,6 +385,13 @@ class EngineConfig:
     # Speculative decoding (n-gram drafts verified in the step's one forward pass); None: off. A dict or JSON
     # text of vLLM's keys is normalised to a ``SpeculativeConfig``.
     speculative_config: SpeculativeConfig | None = None
+    # Structured-output grammars compile in this many worker processes (engine/sampling/structured/compile_pool.py:
+    # a tenant may hold all but one of them), each compile within this many seconds (past it: a 400 on
+    # structured_outputs, and the worker is killed).
+    grammar_compile_workers: int = 2
+    grammar_compile_timeout_s: float = 10.0
+    # Start those workers with the engine (``loraplex serve``) rather than on the first structured request.
+    grammar_compile_warm: bool = False
 
     QUANTIZATIONS: ClassVar[tuple[str, ...]] = ("int8",)
     LORA_DTYPES: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
@@ -413,6 +420,9 @@ class EngineConfig:
         for field in ("max_request_output_tokens", "max_prompt_logprobs_tokens"):
             if getattr(self, field) is not None and getattr(self, field) < 1:
                 raise ValueError(f"EngineConfig.{field} must be >= 1 or None, got {getattr(self, field)}")
+        if self.grammar_compile_workers < 1 or not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"EngineConfig.grammar_compile_workers must be >= 1 and grammar_compile_timeout_s > 0, "
+                             f"got {self.grammar_compile_workers}, {self.grammar_compile_timeout_s}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineConfig.num_threads must be >= 1 or None, got {self.num_threads}")
         if self.max_cpu_loras < self.max_loras:

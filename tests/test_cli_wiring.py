@@ -180,6 +180,9 @@ ROWS: dict[str, tuple[list[str], Observe, object]] = {
                                      lambda s: s.config.max_prompt_logprobs_tokens, 33),
     "--max-adapters-per-request": (["--max-adapters-per-request", "3"],
                                    lambda s: s.config.max_adapters_per_request, 3),
+    "--grammar-compile-timeout": (["--grammar-compile-timeout", "4.5"],
+                                  lambda s: s.config.grammar_compile_timeout_s, 4.5),
+    "--grammar-compile-workers": (["--grammar-compile-workers", "3"], lambda s: s.config.grammar_compile_workers, 3),
     "--header-timeout": (["--header-timeout", "2.5"], lambda s: s.uvicorn.http.header_timeout, 2.5),
     "--timeout-keep-alive": (["--timeout-keep-alive", "7"], lambda s: s.uvicorn.timeout_keep_alive, 7),
     "--h11-max-incomplete-event-size": (["--h11-max-incomplete-event-size", "4096"],
@@ -229,3 +232,9 @@ def test_engine_config_reads_max_waiting_requests_only_on_serve() -> None:
     del args.max_waiting_requests  # a renamed flag is an error, not an unbounded queue
     with pytest.raises(AttributeError):
         cli.engine_config(args, parser)
+
+
+def test_serve_starts_the_grammar_compile_workers_with_the_engine() -> None:
+    parser = build_parser()
+    assert cli.engine_config(parser.parse_args(["serve"]), parser).grammar_compile_warm
+    assert not cli.engine_config(parser.parse_args(["generate", "x"]), parser).grammar_compile_warm

@@ -110,7 +110,10 @@ class Engine:
                                    self.max_model_len)
         self._inbox: queue.SimpleQueue[list[Request] | str | _Retire] = queue.SimpleQueue()
         self._requests: dict[str, Request] = {}
-        self.grammars = GrammarCompilers(self.model_config.eos_token_ids)  # structured outputs' grammars
+        self.grammars = GrammarCompilers(self.model_config.eos_token_ids, workers=config.grammar_compile_workers,
+                                         timeout_s=config.grammar_compile_timeout_s)  # structured outputs' grammars
+        if config.grammar_compile_warm:
+            self.grammars.pool.start()
         self._compiling = GrammarWaitlist()  # requests waiting for their grammar, outside the scheduler
         self.waiting_bound = WaitingBound(config, self.scheduler, self._compiling)  # 503 past max_waiting_requests
         self.intake = RequestIntake(self.adapters, self.tokenizer, self.model_config.vocab_size,

@@ -114,15 +114,19 @@ class RequestIntake:
         if item.plan is not None:
             members = [v for v, _ in item.plan]
         held: list[AdapterInfo] = []
+        request: Request | None = None
         try:
             for version_id in members:
                 held.append(self.adapters.hold(version_id))
             if item.plan is not None:
                 check_members(item.plan, held)
-            request = self._build(item, "+".join(info.name for info in held) or None, members[0] if members else None)
+            request = self._build(item, "+".join(info.name for info in held) or None, members[0] if members else None,
+                                  tags.tenant)
             if held and held[0].alora_invocation_tokens is not None:
                 request.alora_start = self._invocation_point(held[0], request.prompt_token_ids)
         except BaseException:
+            if request is not None and request.grammar is not None:
+                request.grammar.abandon()
             for info in held:
                 self.adapters.release_hold(info.version_id)
             raise
@@ -142,13 +146,15 @@ class RequestIntake:
                            f"sequence (alora_invocation_tokens {list(tokens)[:16]}), which it does not", "prompt")
 
     def release(self, request: Request) -> None:
-        """Release the holds of a request that will never be queued."""
+        """Release the holds (and abandon the grammar compile) of a request that will never be queued."""
+        if request.grammar is not None:
+            request.grammar.abandon()
         if request.holds_version:
             for version_id in request.members:
                 self.adapters.release_hold(version_id)
             request.holds_version = False
 
-    def _build(self, item: NewRequest, adapter: str | None, tokenizer_of: int | None) -> Request:
+    def _build(self, item: NewRequest, adapter: str | None, tokenizer_of: int | None, tenant: str | None) -> Request:
         tokenizer, vocab_size = self.version(tokenizer_of)
         params = item.params
         params.validate(vocab_size)
@@ -164,6 +170,6 @@ class RequestIntake:
         check_context_length(len(token_ids), params.max_tokens, self.max_model_len)
         generator = self._generator if params.seed is None else torch.Generator().manual_seed(params.torch_seed)
         request_id = item.request_id if item.request_id is not None else f"req-{next(self._ids)}"
-        grammar = self.grammars.state_for(params.structured_outputs, tokenizer, vocab_size)  # compiles off the loop
+        grammar = self.grammars.state_for(params.structured_outputs, tokenizer, vocab_size, tenant)  # off the loop
         return Request(request_id, list(token_ids), params, adapter, item.version_id, generator, grammar=grammar,
                        plan=item.plan)
