@@ -161,3 +161,19 @@ def test_a_blend_waits_for_all_its_slots_and_never_runs_short(tiny_llama: Path, 
     assert results["mix"].token_ids == with_mix(tiny_llama, [(adapters["r4_attn"], 0.5), (adapters["r16_mlp"], 1.0)],
                                                 [batch[1]], MAX_TOKENS)[0]
     assert engine.stats().slots_pinned == 0
+
+
+def test_prefix_keys_hold_the_whole_plan() -> None:
+    """One adapter at scale 1 keys as today (its version id); any other plan keys on every (version, scale) entry in
+    order, so no two plans, and no plan and a plain version, share a key."""
+    from loraplex.engine.request import Request
+    from loraplex.engine.scheduler.block_hash import ROOT, block_key
+
+    def owner(version_id: int | None, plan: tuple | None) -> object:
+        return Request("r", [1], GREEDY, None, version_id, None, plan=plan).kv_owner
+
+    assert owner(3, ((3, 1.0),)) == owner(3, None) == 3
+    plans = [((3, 0.5),), ((3, 2.0),), ((3, 0.0),), ((3, 1.0), (4, 1.0)), ((4, 1.0), (3, 1.0)), ((3, 1.0), (4, 0.5))]
+    owners = [None, 3, 4, *(owner(None if len(p) > 1 else 3, p) for p in plans)]
+    keys = {block_key(ROOT, [5, 6, 7, 8], o) for o in owners}
+    assert len(keys) == len(owners)
