@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import pickle
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import httpx
 import pytest
 
 from loraplex.config import EngineConfig
+from loraplex.engine.checks.faults import FAULTS_ENV
 from loraplex.engine.engine import STEP_DELAY_ENV, Engine
 from loraplex.engine.request import NewRequest, SamplingParams
 from loraplex.errors import QueueFull, RequestError
@@ -54,7 +57,10 @@ def test_the_bound_counts_waiting_requests_not_running_ones(tiny_llama: Path) ->
 def server(request: pytest.FixtureRequest, tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
     monkeypatch.setenv(STEP_DELAY_ENV, str(STEP_DELAY))  # read by the engine (and the engine process) at start
-    with tiny_server(tiny_llama, tiny_llama_adapters, ("r4_attn",), (), tmp_path, mode=request.param,
+    monkeypatch.setenv(FAULTS_ENV, str(tmp_path / "faults"))  # the "hold" gate (engine/checks/faults.py)
+    (tmp_path / "faults").mkdir()
+    (tmp_path / "root").mkdir()
+    with tiny_server(tiny_llama, tiny_llama_adapters, ("r4_attn",), (), tmp_path / "root", mode=request.param,
                      app_options={"request_timeout": 1.5}, max_num_seqs=1, max_waiting_requests=3,
                      kv_cache_blocks=128) as srv:
         yield srv
@@ -78,13 +84,26 @@ def test_full_queue_is_503_with_retry_after_and_timeouts_stop_requests(server) -
     with httpx.Client(base_url=url, timeout=120) as http:
         # one seat, three may wait: five choices cannot all be in the engine at once
         assert_queue_full(http.post("/v1/completions", json={**long_body(False, max_tokens=2), "n": 5}))
-        with http.stream("POST", "/v1/completions", json=long_body(True, max_tokens=200)) as running:
-            lines = running.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))  # it holds the seat now
-            assert_queue_full(http.post("/v1/completions", json=long_body(False, prompts=4, max_tokens=2)))
-            assert_queue_full(http.post("/v1/chat/completions", json={
-                "model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 4}))
-            rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        hold = server.root.parent / "faults" / "hold"
+        hold.write_text("")  # the engine admits the stream, then waits at the gate: the seat stays taken
+        events: list[str] = []
+
+        def stream() -> None:
+            with http.stream("POST", "/v1/completions", json=long_body(True, max_tokens=8)) as response:
+                events.extend(sse_events(response))
+
+        running = threading.Thread(target=stream)
+        running.start()
+        deadline = time.monotonic() + 60
+        while server.stats().num_running != 1:  # it holds the seat now
+            assert time.monotonic() < deadline and running.is_alive(), events
+            time.sleep(0.01)
+        assert_queue_full(http.post("/v1/completions", json=long_body(False, prompts=4, max_tokens=2)))
+        assert_queue_full(http.post("/v1/chat/completions", json={
+            "model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 4}))
+        hold.unlink()
+        running.join(60)
+        rest = [json.loads(e) for e in events if e.startswith("{")]
         assert rest[-1]["choices"][0]["finish_reason"] == "length"  # accepted, then served in full
         wait_until_idle(server.engine_client)
         ok = http.post("/v1/completions", json=long_body(False, max_tokens=2))

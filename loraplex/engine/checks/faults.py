@@ -8,7 +8,10 @@ engine process (``tests/test_faults.py``):
   (the file is removed first: one fault per file written);
 - ``nan-slot``: each slot write of the adapter whose folder the file names (its text) leaves NaN in the
   LoRA B matrices of that slot, while the file exists;
-- ``die``: the next step raises ``InjectedDeath``, which is not an ``Exception``: the step loop ends.
+- ``die``: the next step raises ``InjectedDeath``, which is not an ``Exception``: the step loop ends;
+- ``hold``: while the file exists, a step that scheduled a batch waits before its forward pass (its
+  requests are admitted and running, no token comes): a gate that holds the engine for as long as a test
+  needs, whatever the machine's speed (``tests/test_backpressure.py``).
 
 Without the variable (every real run) nothing is installed and the engine's methods are its own.
 """
@@ -16,6 +19,7 @@ Without the variable (every real run) nothing is installed and the engine's meth
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,6 +52,8 @@ def install_faults(engine: Engine) -> None:
     execute, set_slot, step = engine.runner.execute, engine.model.set_slot, engine.step
 
     def faulty_execute(*args: object, **kwargs: object) -> object:
+        while (flags / "hold").exists():
+            time.sleep(0.002)
         if _take(flags / "forward"):
             raise RuntimeError("injected fault in the model forward")
         return execute(*args, **kwargs)
