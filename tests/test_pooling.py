@@ -171,3 +171,17 @@ def test_embed_defaults_to_the_models_sentence_transformers_config(tiny_llama: P
     ids = [9, 8, 7, 6, 5]
     [out] = LLM(model=str(folder), max_loras=1, kv_cache_blocks=16).embed([ids], use_tqdm=False)
     assert_close(out.embedding, hf_embeddings(tiny_llama, None, [ids], "cls", normalize=False)[0])
+
+
+def test_preempted_pooling_request_starts_its_pool_over(tiny_llama: Path, embedders: dict[str, Path]) -> None:
+    """A KV cache too small for both: the mean-pooled prompt, prefilled in chunks, is preempted by the growing
+    generation and recomputed from its first token; its sum restarts, so it still equals HF."""
+    llm = LLM(model=str(tiny_llama), max_loras=2, kv_cache_blocks=6, block_size=16, max_num_batched_tokens=16,
+              enable_prefix_caching=False)
+    llm.load_adapter("emb_a", embedders["emb_a"])
+    [gen_prompt, pool_prompt] = prompts_of(2, seed=12, lo=30, hi=30)
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=0, pooling=PoolingParams("mean"))]
+    outs = llm.generate([gen_prompt, pool_prompt + pool_prompt], params, adapters=[None, "emb_a"], use_tqdm=False)
+    assert llm.stats().num_preemptions > 0
+    assert_close(outs[1].embedding, hf_embeddings(tiny_llama, embedders["emb_a"], [pool_prompt * 2], "mean")[0])
