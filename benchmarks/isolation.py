@@ -7,8 +7,8 @@ each victim's gaps between chunks while the attack is in flight are kept; the ta
 p50 / p99 / max against the no-attacker run of the same process, the attack's status and how long it took.
 On a shared host the absolute numbers move with the load; the ratios to the quiet run are the result.
 
-    python -m benchmarks.isolation [--victims 4] [--tokens 96] [--model PATH]
-                                   [--out benchmarks/results/isolation.json]
+    python -m benchmarks.isolation [--victims 4] [--tokens 96] [--model PATH] [--attacks "NAME;..."]
+                                   [--max-num-batched-tokens N] [--out benchmarks/results/isolation.json]
 """
 
 from __future__ import annotations
@@ -58,6 +58,14 @@ def huge_enum(_: Path) -> tuple[str, dict]:
                                     "max_tokens": 8, "response_format": response_format}
 
 
+def slow_schema(_: Path) -> tuple[str, dict]:
+    """Within every static limit, long to compile: 512 properties with a ``pattern`` of ten optional letters."""
+    schema = {"type": "object", "required": [f"p{i}" for i in range(512)],
+              "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]?" * 10} for i in range(512)}}
+    return "/v1/completions", {"model": "base", "prompt": "Answer:", "max_tokens": 8,
+                               "structured_outputs": {"json": schema}}
+
+
 def catastrophic_regex(root: Path) -> tuple[str, dict]:
     folder = root / "regex-bomb"
     folder.mkdir(exist_ok=True)
@@ -87,6 +95,7 @@ def sparse_weights(root: Path) -> tuple[str, dict]:
 ATTACKS: dict[str, Attack | None] = {
     "none": None, "4,000-token prompt": long_prompt, "n=128, no max_tokens": many_choices,
     "prompt_logprobs, n=16": prompt_logprobs, "30,000-value enum": huge_enum,
+    "512 patterned properties (slow compile)": slow_schema,
     "catastrophic target_modules regex": catastrophic_regex, "2 GiB sparse weights": sparse_weights,
 }
 
@@ -148,26 +157,34 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--model", default=None, help="a checkpoint folder (default: the embedded SmolLM2)")
     parser.add_argument("--out", default="benchmarks/results/isolation.json")
+    parser.add_argument("--attacks", default=None, help="names of ATTACKS to run, separated by \";\" (default: all)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="the server's per-step budget")
     args = parser.parse_args()
+    attacks = ATTACKS if args.attacks is None else {
+        name: ATTACKS[name] for name in ["none", *(a.strip() for a in args.attacks.split(";"))]}
     root = Path(tempfile.mkdtemp(prefix="loraplex-isolation-"))
     port = free_port()
     cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--port", str(port), "--served-model-name", "base",
            "--threads", "1", "--allow-runtime-adapters", "--adapter-root", str(root), "--log-level", "WARNING"]
     if args.model:
         cmd += ["--model", args.model]
+    if args.max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     url = f"http://127.0.0.1:{port}"
     proc = start(cmd, {}, root / "serve.log", url)
     try:
         results = {}
-        for name, attack in tqdm(ATTACKS.items(), desc="attacks"):
+        for name, attack in tqdm(attacks.items(), desc="attacks"):
             results[name] = asyncio.run(run_phase(url, attack, root, args.victims, args.tokens))
     finally:
         stop(proc)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"# {machine_line()} (load {load}); {args.victims} victims x {args.tokens} tokens")
+    print(f"# {machine_line()} (load {load}); {args.victims} victims x {args.tokens} tokens; "
+          f"--max-num-batched-tokens {args.max_num_batched_tokens or 'default'}")
     print_table(results)
     write_json(args.out, {"machine": machine_line(), "load": os.getloadavg(), "victims": args.victims,
-                          "tokens": args.tokens, "results": results})
+                          "tokens": args.tokens, "max_num_batched_tokens": args.max_num_batched_tokens,
+                          "results": results})
 
 
 if __name__ == "__main__":

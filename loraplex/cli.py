@@ -77,7 +77,8 @@ def cpu_list(value: str) -> list[int]:
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
-    p.add_argument("--model", default=d.model, help="local HF folder or the embedded default (%(default)s)")
+    p.add_argument("--model", default=d.model,
+                   help="local HF folder, a GGUF file (or a folder holding one), or the embedded default (%(default)s)")
     p.add_argument("--adapter", action="append", type=adapter_spec, default=[], metavar="NAME=PATH",
                    help="load a PEFT adapter folder at start (repeatable)")
     p.add_argument("--no-demo-adapters", action="store_true",
@@ -98,6 +99,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="store the base weights as weight-only int8 (LoRA stays float)")
     p.add_argument("--lora-dtype", default=d.lora_dtype, choices=EngineConfig.LORA_DTYPES,
                    help="adapter weights in the host tier and slots: bfloat16 halves their bytes (%(default)s)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)')
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="recompute every prompt instead of reusing cached K/V of a shared prefix")
     p.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=EngineConfig.SCHEDULING_POLICIES,
@@ -116,6 +120,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-logprobs-tokens", type=positive_int, default=None, metavar="N",
                    help="the most prompt tokens a request may ask prompt_logprobs of; past it a 400 on "
                         "prompt_logprobs (default: the context length)")
+    p.add_argument("--max-adapters-per-request", type=positive_int, default=d.max_adapters_per_request, metavar="N",
+                   help="the most adapters one request may blend (adapter_mix entries; each takes a device slot "
+                        "while it runs); past it a 400 on adapter_mix (default: %(default)s)")
+    p.add_argument("--grammar-compile-timeout", type=seconds, default=d.grammar_compile_timeout_s, metavar="SECONDS",
+                   help="time budget of one structured-output grammar compile; past it a 400 on structured_outputs "
+                        "and its worker process is killed (%(default)s)")
+    p.add_argument("--grammar-compile-workers", type=positive_int, default=d.grammar_compile_workers, metavar="N",
+                   help="grammar-compile worker processes; one tenant may hold all but one (%(default)s)")
 
 
 def _connection_args(serve: argparse.ArgumentParser) -> None:
@@ -240,7 +252,12 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                             scheduling_policy=args.scheduling_policy, lora_dtype=args.lora_dtype,
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             max_request_output_tokens=args.max_request_output_tokens,
-                            max_prompt_logprobs_tokens=args.max_prompt_logprobs_tokens)
+                            max_prompt_logprobs_tokens=args.max_prompt_logprobs_tokens,
+                            max_adapters_per_request=args.max_adapters_per_request,
+                            speculative_config=args.speculative_config,
+                            grammar_compile_timeout_s=args.grammar_compile_timeout,
+                            grammar_compile_workers=args.grammar_compile_workers,
+                            grammar_compile_warm=args.command == "serve")
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

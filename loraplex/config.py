@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -261,6 +261,66 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config`` keys): each step, a request may propose up to
+    ``num_speculative_tokens`` draft tokens, checked by the same forward pass that computes its next token.
+
+    ``method="ngram"`` (prompt lookup, the only method): the draft is what followed the most recent earlier
+    occurrence of the request's last n tokens in its own prompt and output, for the largest n in
+    [``prompt_lookup_min``, ``prompt_lookup_max``] that occurs (vLLM's rule for the defaults: one of the two
+    given sets the other; neither: both 5). ``disable_by_batch_size``: no drafts in a step with more
+    running requests than this (vLLM's key; None: our default, 8, where a CPU step turns compute-bound).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    disable_by_batch_size: int | None = None
+
+    METHODS: ClassVar[tuple[str, ...]] = ("ngram",)
+    DEFAULT_LOOKUP: ClassVar[int] = 5
+    DEFAULT_BATCH_LIMIT: ClassVar[int] = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in self.METHODS:
+            raise ValueError(f"speculative_config.method must be one of {self.METHODS}, got {self.method!r}")
+        lookup_max, lookup_min = self.prompt_lookup_max, self.prompt_lookup_min
+        if lookup_max is None and lookup_min is None:
+            lookup_max = lookup_min = self.DEFAULT_LOOKUP
+        object.__setattr__(self, "prompt_lookup_max", lookup_max if lookup_max is not None else lookup_min)
+        object.__setattr__(self, "prompt_lookup_min", lookup_min if lookup_min is not None else lookup_max)
+        if self.disable_by_batch_size is None:
+            object.__setattr__(self, "disable_by_batch_size", self.DEFAULT_BATCH_LIMIT)
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From a ``SpeculativeConfig``, a dict of vLLM's keys or its JSON text (``--speculative-config``);
+        None stays None (speculation off). ``ValueError`` names an unknown key or a bad value."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from exc
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {known}")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to start; the CLI and ``LLM(...)`` build one of these."""
 
@@ -320,16 +380,29 @@ class EngineConfig:
     max_request_output_tokens: int | None = None
     # The most prompt tokens one request may ask prompt logprobs of; None: the context length.
     max_prompt_logprobs_tokens: int | None = None
+    # The most entries one request's LoRA plan (an adapter mix) may have: each is held and pinned in a slot.
+    max_adapters_per_request: int = 4
+    # Speculative decoding (n-gram drafts verified in the step's one forward pass); None: off. A dict or JSON
+    # text of vLLM's keys is normalised to a ``SpeculativeConfig``.
+    speculative_config: SpeculativeConfig | None = None
+    # Structured-output grammars compile in this many worker processes (engine/sampling/structured/compile_pool.py:
+    # a tenant may hold all but one of them), each compile within this many seconds (past it: a 400 on
+    # structured_outputs, and the worker is killed).
+    grammar_compile_workers: int = 2
+    grammar_compile_timeout_s: float = 10.0
+    # Start those workers with the engine (``loraplex serve``) rather than on the first structured request.
+    grammar_compile_warm: bool = False
 
     QUANTIZATIONS: ClassVar[tuple[str, ...]] = ("int8",)
     LORA_DTYPES: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
     SCHEDULING_POLICIES: ClassVar[tuple[str, ...]] = ("fair", "fcfs")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
         if self.lora_kernels not in LORA_KERNELS:
             raise ValueError(f"EngineConfig.lora_kernels must be one of {LORA_KERNELS}, got {self.lora_kernels!r}")
         for field in ("max_loras", "max_cpu_loras", "max_lora_rank", "max_num_seqs", "block_size",
-                      "max_num_batched_tokens"):
+                      "max_num_batched_tokens", "max_adapters_per_request"):
             if getattr(self, field) < 1:
                 raise ValueError(f"EngineConfig.{field} must be >= 1, got {getattr(self, field)}")
         if self.quantization is not None and self.quantization not in self.QUANTIZATIONS:
@@ -347,6 +420,9 @@ class EngineConfig:
         for field in ("max_request_output_tokens", "max_prompt_logprobs_tokens"):
             if getattr(self, field) is not None and getattr(self, field) < 1:
                 raise ValueError(f"EngineConfig.{field} must be >= 1 or None, got {getattr(self, field)}")
+        if self.grammar_compile_workers < 1 or not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"EngineConfig.grammar_compile_workers must be >= 1 and grammar_compile_timeout_s > 0, "
+                             f"got {self.grammar_compile_workers}, {self.grammar_compile_timeout_s}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineConfig.num_threads must be >= 1 or None, got {self.num_threads}")
         if self.max_cpu_loras < self.max_loras:

@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from loraplex.adapters.info import AdapterInfo
+from loraplex.client.adapter_mix import AdapterMix, mixed
 from loraplex.client.directory import Version
 from loraplex.client.inproc import engine_directory, sync_directory
 from loraplex.client.output import EmbeddingOutput, OutputProcessor, RequestOutput
@@ -92,11 +93,12 @@ class LLM:
         self,
         prompts: str | list[int] | Sequence[str | list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        adapters: str | None | Sequence[str | None] = None,
+        adapters: str | AdapterMix | None | Sequence[str | AdapterMix | None] = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; one output per prompt, in prompt order. ``adapters[i]`` names
-        prompt i's adapter (None = base model); one name or None applies to all. Every request is
+        prompt i's adapter (None = base model), or an ``AdapterMix`` blending several at their scales (one entry:
+        one adapter at a scale); one name, mix or None applies to all. Every request is
         validated before any is queued, so a bad one raises without running the others; all are queued
         together. With ``n > 1`` each choice runs as its own request: ``outs[i]`` is prompt i's first
         choice and ``outs[i].outputs`` holds all ``n`` (vLLM's shape; also filled for ``n == 1``)."""
@@ -105,7 +107,7 @@ class LLM:
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
         names = _per_prompt(adapters, len(prompts), "adapters")
         sync_directory(self.directory, self.engine)
-        versions = [self.directory.route(name) for name in names]  # once per prompt, first
+        versions = [self._route(name) for name in names]  # once per prompt, first
         processor = OutputProcessor()
         items, ids = [], []
         for prompt, p, version in zip(prompts, params, versions, strict=True):
@@ -113,7 +115,7 @@ class LLM:
             for choice in p.choices():
                 request_id = f"gen-{next(self._ids)}"
                 processor.add(request_id, token_ids, choice, version.tokenizer, version.name)
-                items.append(NewRequest(request_id, token_ids, choice, version.version_id))
+                items.append(NewRequest(request_id, token_ids, choice, version.version_id, version.plan))
                 ids.append(request_id)
         self.engine.add_requests(items)  # validates every choice before queuing any
         results = self._run(processor, len(ids), use_tqdm)
@@ -123,6 +125,12 @@ class LLM:
             grouped.append(replace(choices[0], outputs=choices))
             at += p.n
         return grouped
+
+    def _route(self, adapter: str | AdapterMix | None) -> Version:
+        """``adapter``'s version: a name's (or the base's), or a mix's, each of its names routed once."""
+        if not isinstance(adapter, AdapterMix):
+            return self.directory.route(adapter)
+        return mixed([self.directory.route(name) for name in adapter.names], [s for _, s in adapter.entries])
 
     def embed(
         self,
@@ -168,7 +176,7 @@ def _token_ids(prompt: str | list[int], version: Version, model_name: str) -> li
 
 
 def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
-    if value is None or isinstance(value, (str, SamplingParams)):
+    if value is None or isinstance(value, (str, SamplingParams, AdapterMix)):
         return [value] * n
     values = list(value)
     if len(values) != n:

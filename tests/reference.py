@@ -51,6 +51,21 @@ def with_adapter(base_folder: Path, adapter_folder: Path | None, prompts: list[l
     return [tokens for tokens, _ in greedy_with_adapter(base_folder, adapter_folder, prompts, n)]
 
 
+def with_mix(base_folder: Path, mix: list[tuple[Path, float]], prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy outputs of each prompt under PEFT's blend of ``mix`` (adapter folder, weight):
+    ``add_weighted_adapter(..., combination_type="cat")``, whose delta is ``sum_k w_k * B_k A_k`` (scaling folded)."""
+    model = PeftModel.from_pretrained(_base(str(base_folder)), str(mix[0][0]), adapter_name="m0")
+    for i, (folder, _) in enumerate(mix[1:], start=1):
+        model.load_adapter(str(folder), adapter_name=f"m{i}")
+    model.add_weighted_adapter([f"m{i}" for i in range(len(mix))], [w for _, w in mix], adapter_name="mix",
+                               combination_type="cat")
+    model.set_adapter("mix")
+    model.eval()
+    outs = [hf_greedy(model, p, n)[0] for p in prompts]
+    model.unload()  # restore the cached base model's modules
+    return outs
+
+
 @lru_cache(maxsize=2)
 def _encoder(folder: str) -> torch.nn.Module:
     from transformers import AutoModel

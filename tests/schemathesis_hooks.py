@@ -3,7 +3,8 @@ Schema cannot state (each documented in the field's description and in docs/serv
 400 naming the field, tested in ``test_server_errors.py``): the prompt plus ``max_tokens`` must fit the
 context, the choices of one prompt may generate at most 16 contexts together (``n x max_tokens``, the
 request bound's default), ``top_logprobs`` needs ``logprobs: true``, ``reasoning_effort`` needs a chat
-template that reads it, and a structured-output or tool constraint must be one,
+template that reads it, ``lora_scale`` (other than 1) needs ``model`` to be an adapter and ``adapter_mix``
+loaded adapters' names with ``model`` the base model's, and a structured-output or tool constraint must be one,
 valid (a schema, regex or grammar that compiles; a tool_choice naming a tool) and not combined with
 ``ignore_eos`` / ``min_tokens`` (checked with the server's own request models). Prompts are counted
 exactly, with the served model's tokenizer and the server's own chat rendering (``LORAPLEX_TEST_MODEL``,
@@ -121,6 +122,8 @@ def _acceptable(operation: str, body: object) -> bool:
         return False
     if _unread_effort(body) or _bad_constraint(body):
         return False
+    if body.get("lora_scale") not in (None, 1) or body.get("adapter_mix") is not None:
+        return False  # a per-request LoRA plan needs loaded adapters' names (the served one has none)
     tokens = _prompt_tokens(body)
     if tokens is None:
         return True

@@ -29,8 +29,10 @@ BASE = "tiny"  # the served name of the tiny base model
 
 
 @contextmanager
-def running_server(app: FastAPI, timeout: float = 30.0) -> Iterator[str]:
-    """Serve ``app`` until the block exits; yields its base URL (``http://127.0.0.1:PORT``)."""
+def running_server(app: FastAPI, timeout: float = 120.0) -> Iterator[str]:
+    """Serve ``app`` until the block exits; yields its base URL (``http://127.0.0.1:PORT``). ``timeout``
+    only detects a hang: the app's start-up (reading the checkpoint's fingerprint, warming the preparation
+    worker) took over 30 s on a 2-core host shared by several suites."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

@@ -2,8 +2,8 @@
 two adapters, a third of the streams cut mid-way, while one adapter is unloaded and reloaded every ~0.4 s.
 With ``max_num_seqs=4`` most requests wait in the queue, so unloads hit queued requests as well as
 running ones. Every request is either refused cleanly before it starts (404: the name was not loaded at
-that instant) or served to the end: no error event, no 5xx, and every completed text equals the request
-run alone offline. Afterwards no KV block, pin or version is left over: the unloaded versions were
+that instant) or served to the end: no error event, no 5xx, and every completed text equals HF transformers +
+PEFT's greedy text of that request. Afterwards no KV block, pin or version is left over: the unloaded versions were
 dropped with their last request."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loraplex import LLM, SamplingParams
+from tests.hf_text import hf_complete
 from tests.server_harness import BASE, MODES, Server, tiny_server, wait_until_idle
 
 CONFIG = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=4)
@@ -28,12 +28,10 @@ CLIENTS, PER_CLIENT, MAX_TOKENS, CHURN_S = 24, 6, 12, 0.4
 
 @pytest.fixture(scope="module")
 def references(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> dict[tuple[str, str], str]:
-    llm = LLM(model=str(tiny_llama), **CONFIG)
-    llm.load_adapter("r8_all", tiny_llama_adapters["r8_all"])
-    llm.load_adapter("churn", tiny_llama_adapters["r16_mlp"])
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return {(model, prompt): llm.generate([prompt], params, adapters=[None if model == BASE else model],
-                                          use_tqdm=False)[0].text for model in MODELS for prompt in PROMPTS}
+    """HF + PEFT's greedy text of each (served name, prompt); ``churn`` is ``r16_mlp``'s folder."""
+    folders = {BASE: None, "r8_all": tiny_llama_adapters["r8_all"], "churn": tiny_llama_adapters["r16_mlp"]}
+    return {(model, prompt): hf_complete(tiny_llama, folders[model], prompt, MAX_TOKENS, ignore_eos=True).text
+            for model in MODELS for prompt in PROMPTS}
 
 
 async def churn(srv: Server, stop: asyncio.Event) -> int:

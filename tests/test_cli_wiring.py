@@ -24,7 +24,7 @@ from loraplex import cli
 from loraplex.cli import build_parser
 from loraplex.client.base import EngineHealth
 from loraplex.client.restart import RestartPolicy
-from loraplex.config import EngineConfig
+from loraplex.config import EngineConfig, SpeculativeConfig
 
 
 @dataclasses.dataclass
@@ -146,6 +146,8 @@ ROWS: dict[str, tuple[list[str], Observe, object]] = {
     "--device": (["--device", "cpu"], lambda s: s.config.device, "cpu"),
     "--quantization": (["--quantization", "int8"], lambda s: s.config.quantization, "int8"),
     "--lora-dtype": (["--lora-dtype", "bfloat16"], lambda s: s.config.lora_dtype, "bfloat16"),
+    "--speculative-config": (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+                             lambda s: s.config.speculative_config, SpeculativeConfig(num_speculative_tokens=3)),
     "--no-prefix-caching": (["--no-prefix-caching"], lambda s: s.config.enable_prefix_caching, False),
     "--scheduling-policy": (["--scheduling-policy", "fcfs"], lambda s: s.config.scheduling_policy, "fcfs"),
     "--threads": (["--threads", "1"], lambda s: s.config.num_threads, 1),
@@ -176,6 +178,11 @@ ROWS: dict[str, tuple[list[str], Observe, object]] = {
                                     lambda s: s.config.max_request_output_tokens, 999),
     "--max-prompt-logprobs-tokens": (["--max-prompt-logprobs-tokens", "33"],
                                      lambda s: s.config.max_prompt_logprobs_tokens, 33),
+    "--max-adapters-per-request": (["--max-adapters-per-request", "3"],
+                                   lambda s: s.config.max_adapters_per_request, 3),
+    "--grammar-compile-timeout": (["--grammar-compile-timeout", "4.5"],
+                                  lambda s: s.config.grammar_compile_timeout_s, 4.5),
+    "--grammar-compile-workers": (["--grammar-compile-workers", "3"], lambda s: s.config.grammar_compile_workers, 3),
     "--header-timeout": (["--header-timeout", "2.5"], lambda s: s.uvicorn.http.header_timeout, 2.5),
     "--timeout-keep-alive": (["--timeout-keep-alive", "7"], lambda s: s.uvicorn.timeout_keep_alive, 7),
     "--h11-max-incomplete-event-size": (["--h11-max-incomplete-event-size", "4096"],
@@ -225,3 +232,9 @@ def test_engine_config_reads_max_waiting_requests_only_on_serve() -> None:
     del args.max_waiting_requests  # a renamed flag is an error, not an unbounded queue
     with pytest.raises(AttributeError):
         cli.engine_config(args, parser)
+
+
+def test_serve_starts_the_grammar_compile_workers_with_the_engine() -> None:
+    parser = build_parser()
+    assert cli.engine_config(parser.parse_args(["serve"]), parser).grammar_compile_warm
+    assert not cli.engine_config(parser.parse_args(["generate", "x"]), parser).grammar_compile_warm

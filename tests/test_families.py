@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from loraplex import LLM, SamplingParams
 from loraplex.adapters.reading.peft_format import read_peft_adapter
-from loraplex.engine.invariants import keys_hold_all_kv_inputs
+from loraplex.engine.checks.invariants import keys_hold_all_kv_inputs
 from loraplex.errors import AdapterShapeMismatch, InvalidAdapter
 from loraplex.models.registry import model_config
 from tests.conftest import family_targets

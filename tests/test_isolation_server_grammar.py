@@ -40,6 +40,11 @@ BOMBS = {  # id -> (structured_outputs, the limit named)
     "choice": ({"choice": [f"c{i}" for i in range(2_000)]}, "MAX_ENUM_VALUES"),
     "grammar": ({"grammar": 'root ::= "a"' + ' | "b"' * 20_000}, "MAX_SOURCE_CHARS"),
     "depth": ({"json": nested(40)}, "MAX_SCHEMA_DEPTH"),
+    # 16 characters, half an hour to build (quadratic in the bound), in the preparation worker and the engine
+    "pattern repeats": ({"json": {"type": "string", "pattern": "[a-z]{1,100000}"}}, "MAX_REGEX_REPEATS"),
+    "many patterns": ({"json": {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,999}"}
+                                                                for i in range(3)}}}, "MAX_REGEX_REPEATS"),
+    "regex repeats": ({"regex": "a{1,3000}"}, "MAX_REGEX_REPEATS"),
 }
 AT_LIMITS = {
     "enum": {"json": {"type": "string", "enum": [f"v{i}" for i in range(MAX_ENUM_VALUES)]}},
@@ -47,6 +52,8 @@ AT_LIMITS = {
                                                              for i in range(MAX_PROPERTIES)}}},
     "regex": {"regex": "a" * MAX_REGEX_CHARS},
     "depth": {"json": nested(MAX_SCHEMA_DEPTH - 1)},
+    "repeats": {"json": {"type": "object", "properties": {"a": {"type": "string", "pattern": "[a-z]{1,1000}"},
+                                                          "b": {"type": "string", "pattern": "[0-9]{1,1048}"}}}},
 }
 
 

@@ -4,7 +4,9 @@ The sgmv kernel and the torch ops read bfloat16 A and B under float32 activation
 float64 oracle of the rounded weights (ranks 1..64, NaN-poisoned unused slots, every popularity). Through
 ``LoRALinear``, a slot write rounds a float32 adapter exactly as the oracle does, and a rewrite of the slot
 shows through (no stale upcast copy). The engine with adapters whose weights are exactly bfloat16 (so the
-rounding loses nothing) generates HF + PEFT's greedy tokens, on the host tier at half the bytes.
+rounding loses nothing) generates HF + PEFT's greedy tokens, on the host tier at half the bytes; with
+float32 adapters that bfloat16 cannot hold, it equals HF + PEFT on the rounded weights within a float32
+tolerance (and measurably differs from the unrounded reference).
 """
 
 from __future__ import annotations
@@ -16,14 +18,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraplex import LLM
+from loraplex import LLM, SamplingParams
 from loraplex.cli import build_parser, engine_config
 from loraplex.config import EngineConfig
 from loraplex.layers.lora_linear import LoRALinear, use_lora_dtype, use_lora_kernels
 from loraplex.ops import lora_sgmv
 from loraplex.ops.lora_batch import LORA_METHODS, BatchMapping, build_lora_batch
 from loraplex.ops.lora_step_buffers import slot_tables
-from tests.test_engine_reference import assert_mixed_batch_equals_hf_peft
+from tests.fixtures import write_peft_adapter
+from tests.model_harness import hf_logits
+from tests.reference import hf_model, with_adapter
+from tests.test_engine_reference import assert_mixed_batch_equals_hf_peft, random_prompts
 from tests.test_lora_ops import POPULARITY, check_op, packed_case, reference, stacked_weights
 from tests.test_lora_sgmv import check_sgmv, oracle_case, rank_major, sgmv_build  # noqa: F401 (a fixture)
 
@@ -151,3 +156,48 @@ def test_bad_lora_dtype_is_refused() -> None:
     assert engine_config(parser.parse_args(["serve", "--model", "m"]), parser).lora_dtype == "float32"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--model", "m", "--lora-dtype", "fp8"])
+
+
+def bfloat16_as_held(folder: Path, out: Path) -> Path:
+    """The PEFT adapter at ``folder`` as ``lora_dtype="bfloat16"`` holds it: A rounded to bfloat16, B rounded
+    after its scale (alpha / r) is folded in, then divided by the scale again in float32, so that PEFT (which
+    applies the scale) computes with the held values up to float32 rounding."""
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert not config.get("use_rslora") and not config.get("alpha_pattern")
+    scale = config["lora_alpha"] / config["r"]
+    out.mkdir(parents=True)
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    tensors = load_file(folder / "adapter_model.safetensors")
+    save_file({k: v.bfloat16().float() if "lora_A" in k else (v * scale).bfloat16().float() / scale
+               for k, v in tensors.items()}, out / "adapter_model.safetensors")
+    return out
+
+
+def test_non_exact_bfloat16_adapters_equal_the_rounded_reference(tiny_llama: Path,
+                                                                 tmp_path_factory: pytest.TempPathFactory) -> None:
+    """float32 adapters whose weights bfloat16 cannot hold, with a scale of 3 (the fold is not exact either):
+    the engine's prefill logits are within 1e-4 relative of HF + PEFT on the weights as rounded (and its greedy
+    tokens equal that reference's), while the unrounded float32 reference is measurably farther off."""
+    root = tmp_path_factory.mktemp("bf16-non-exact")
+    originals = {"all": write_peft_adapter(tiny_llama, root / "all", rank=8, alpha=24, seed=5),
+                 "attn": write_peft_adapter(tiny_llama, root / "attn", rank=4, alpha=12, seed=6,
+                                            target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))}
+    held = {name: bfloat16_as_held(folder, root / f"{name}-held") for name, folder in originals.items()}
+    llm = LLM(model=str(tiny_llama), max_loras=2, kv_cache_blocks=64, lora_dtype="bfloat16", debug_checks=True)
+    for name, folder in originals.items():
+        llm.load_adapter(name, folder)
+    prompts = random_prompts(2, seed=11)
+    captured: list[torch.Tensor] = []
+    execute = llm.engine.runner.execute
+    llm.engine.runner.execute = lambda entries, lora: captured.append(execute(entries, lora)) or captured[-1]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                        adapters=list(originals), use_tqdm=False)
+    for row, (prompt, name) in enumerate(zip(prompts, originals, strict=True)):
+        ours = captured[0][row]
+        for folder, close in ((held[name], True), (originals[name], False)):
+            model = hf_model(tiny_llama, folder)
+            ref = hf_logits(model, prompt)[-1]
+            model.unload()
+            bound = 1e-4 * float(ref.abs().max())
+            assert (float((ours - ref).abs().max()) <= bound) == close, (name, folder.name)
+        assert outs[row].token_ids == with_adapter(tiny_llama, held[name], [prompt], 8)[0], name

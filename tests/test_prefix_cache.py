@@ -1,8 +1,10 @@
 """Prefix caching end to end: with caching on, every output equals the caching-off output token for token
 (greedy), over mixed adapters that touch different projections, a shared system prompt, multi-turn chats,
 preemption under a small cache, and adapters loaded, unloaded and reloaded with other weights between
-turns. Every caching-on engine runs with the debug checks (each block a request reads was written under
-its adapter version) and must really hit the cache, or the comparison would prove nothing."""
+turns; the multi-turn chats and the reloads also equal HF transformers + PEFT's greedy tokens for each
+turn's whole prompt (a reference that shares neither the cache nor the engine). Every caching-on engine
+runs with the debug checks (each block a request reads was written under its adapter version) and must
+really hit the cache, or the comparison would prove nothing."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from loraplex import LLM, SamplingParams
+from tests.reference import with_adapter
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 BLOCK = 4
@@ -30,9 +33,10 @@ def words(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 49152) for _ in range(n)]
 
 
-def multi_turn_chats(llm: LLM, adapters: list[str | None], turns: int = 3, system_len: int = 37) -> list[list]:
+def multi_turn_chats(llm: LLM, adapters: list[str | None], turns: int = 3,
+                     system_len: int = 37) -> list[tuple[list, list]]:
     """Conversations over ``adapters`` sharing one system prompt; each turn sends the whole history plus a
-    new user message, all conversations at once. Returns every turn's outputs (token ids)."""
+    new user message, all conversations at once. Returns every turn's (prompts, outputs) (token ids)."""
     rng = random.Random(1)
     system = words(rng, system_len)
     history = [list(system) for _ in adapters]
@@ -40,11 +44,23 @@ def multi_turn_chats(llm: LLM, adapters: list[str | None], turns: int = 3, syste
     for _ in range(turns):
         for h in history:
             h += words(rng, rng.randint(3, 9))
-        outs = llm.generate([list(h) for h in history], PARAMS, adapters=adapters, use_tqdm=False)
+        prompts = [list(h) for h in history]
+        outs = llm.generate(prompts, PARAMS, adapters=adapters, use_tqdm=False)
         for h, out in zip(history, outs, strict=True):
             h += out.token_ids
-        outputs.append([out.token_ids for out in outs])
+        outputs.append((prompts, [out.token_ids for out in outs]))
     return outputs
+
+
+def hf_outputs(base: Path, folders: list[Path | None], prompts: list[list[int]]) -> list[list[int]]:
+    """HF + PEFT's ``PARAMS.max_tokens`` greedy tokens of each prompt under its adapter folder (None: base)."""
+    out: list[list[int]] = [[] for _ in prompts]
+    for folder in dict.fromkeys(folders):
+        idx = [i for i, f in enumerate(folders) if f == folder]
+        for i, tokens in zip(idx, with_adapter(base, folder, [prompts[i] for i in idx], PARAMS.max_tokens),
+                             strict=True):
+            out[i] = tokens
+    return out
 
 
 CHAT_ADAPTERS = [None, "r8_all", "r4_attn", "r16_mlp", "r2_qv", "r8_all"]
@@ -54,7 +70,11 @@ def test_multi_turn_chats_over_mixed_adapters_equal_caching_off(
         tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> None:
     on = make_llm(tiny_llama, True, tiny_llama_adapters)
     off = make_llm(tiny_llama, False, tiny_llama_adapters)
-    assert multi_turn_chats(on, CHAT_ADAPTERS) == multi_turn_chats(off, CHAT_ADAPTERS)
+    turns = multi_turn_chats(on, CHAT_ADAPTERS)
+    assert turns == multi_turn_chats(off, CHAT_ADAPTERS)
+    folders = [None if a is None else tiny_llama_adapters[a] for a in CHAT_ADAPTERS]
+    for i, (prompts, outputs) in enumerate(turns):
+        assert outputs == hf_outputs(tiny_llama, folders, prompts), f"turn {i + 1} differs from HF + PEFT"
     stats = on.stats()
     assert stats.prefix_cache_hit_tokens > stats.prefix_cache_queried_tokens / 2
     by_adapter = stats.prefix_cache_by_adapter
@@ -117,6 +137,9 @@ def test_load_unload_and_reload_between_turns(tiny_llama: Path, tiny_llama_adapt
         results[caching] = [[o.token_ids for o in turn] for turn in outs]
     assert results[True] == results[False]
     assert results[True][2][0] != results[True][0][0], "the reload must change A's output"
+    a, b, c, new_a = folders["A"], folders["B"], folders["C"], tiny_llama_adapters["r2_qv"]
+    assert results[True] == [hf_outputs(tiny_llama, [a, b], turn1), hf_outputs(tiny_llama, [c, a, b], turn2),
+                             hf_outputs(tiny_llama, [new_a], turn1[:1]), hf_outputs(tiny_llama, [new_a, b], turn1)]
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen3", "gemma3", "phi3"])

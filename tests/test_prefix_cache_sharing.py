@@ -120,10 +120,11 @@ def test_a_key_without_the_version_would_be_caught(tiny_llama: Path, tiny_llama_
     llm = make_llm(tiny_llama, True, {"a": tiny_llama_adapters["r8_all"]}, debug_checks=debug_checks)
     real_chain = scheduler_module.extend_chain
 
-    def mutated_chain(keys: list[bytes], tokens: list[int], version_id: int | None, block_size: int) -> list[bytes]:
+    def mutated_chain(keys: list[bytes], tokens: list[int], version_id: int | None, block_size: int,
+                      base_blocks: int = 0) -> list[bytes]:
         name = llm.engine.adapters.info(version_id).name if version_id is not None else None
         stand_in = None if keyed_on == "nothing" or name is None else zlib.crc32(name.encode())
-        return real_chain(keys, tokens, stand_in, block_size)
+        return real_chain(keys, tokens, stand_in, block_size, base_blocks)
 
     monkeypatch.setattr(scheduler_module, "extend_chain", mutated_chain)
     llm.generate([prompt], PARAMS, adapters=["a"], use_tqdm=False)

@@ -1,10 +1,10 @@
 """Scale-out on Ray Serve: a local Ray (127.0.0.1, 2 CPUs), two engine replicas on the tiny llama.
 
 Completions and chat, streamed and not, for the base model, a start-up adapter and three adapters
-loaded lazily from the adapter root, all equal to the offline ``LLM.generate``; repeated requests
-for one adapter stay on the replica that holds it; a client that disconnects aborts its request on
-its replica; a replica killed mid-stream fails its streams with a clear error, its unanswered
-requests are re-sent, and Serve restarts it; ``import loraplex`` needs no Ray.
+loaded lazily from the adapter root, all equal to HF transformers + PEFT's greedy text
+(``tests/hf_text.py``); repeated requests for one adapter stay on the replica that holds it; a client
+that disconnects aborts its request on its replica; a replica killed mid-stream fails its streams with
+a clear error, its unanswered requests are re-sent, and Serve restarts it; ``import loraplex`` needs no Ray.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from loraplex import LLM, SamplingParams
 from loraplex.config import EngineConfig
 from loraplex.integrations import ray_serve
 from loraplex.integrations.asgi_bridge import ForwardedRequest, ResponseStart
@@ -40,6 +39,7 @@ from loraplex.integrations.ray_config import (
     RayServeConfig,
 )
 from loraplex.integrations.ray_ingress import routing_key
+from tests.hf_text import hf_chat, hf_complete
 
 pytestmark = pytest.mark.ray
 logger = logging.getLogger(__name__)
@@ -105,17 +105,23 @@ def deployment(tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
             ray.shutdown()
 
 
+@dataclass(frozen=True)
+class Reference:
+    """HF + PEFT's greedy texts (EOS ignored) for a served name: the expected side of every answer."""
+
+    base: Path
+    adapters: dict[str, Path]
+
+    def complete(self, model: str, prompt: str, max_tokens: int) -> str:
+        return hf_complete(self.base, self.adapters.get(model), prompt, max_tokens, ignore_eos=True).text
+
+    def chat(self, model: str, messages: list[dict], max_tokens: int) -> str:
+        return hf_chat(self.base, self.adapters.get(model), messages, max_tokens, ignore_eos=True).text
+
+
 @pytest.fixture(scope="module")
-def offline(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> LLM:
-    llm = LLM(model=str(tiny_llama), **ENGINE)
-    for name in (STARTUP, *LAZY):
-        llm.load_adapter(name, tiny_llama_adapters[name])
-    return llm
-
-
-def solo(llm: LLM, prompt: str | list[int], model: str, max_tokens: int) -> str:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return llm.generate([prompt], params, adapters=[None if model == BASE else model], use_tqdm=False)[0].text
+def offline(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> Reference:
+    return Reference(tiny_llama, tiny_llama_adapters)
 
 
 def run(coro: object, timeout: float = 120) -> object:
@@ -170,12 +176,10 @@ def test_bad_root_adapters_fail_their_requests_only(deployment: Deployment) -> N
     assert http.post("/v1/completions", json={"model": BASE, "prompt": "Hi", "max_tokens": 2}).status_code == 200
 
 
-def test_outputs_equal_single_engine(deployment: Deployment, offline: LLM) -> None:
+def test_outputs_equal_hf(deployment: Deployment, offline: Reference) -> None:
     """Every model, completions (whole and streamed) and chat, sent concurrently."""
     models = [BASE, STARTUP, *LAZY]
     prompts = {m: f"Request for {m}: the weather today is" for m in models}
-    chat_ids = list(offline.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True,
-                                                          return_dict=True)["input_ids"])
 
     async def complete(client: openai.AsyncOpenAI, model: str) -> str:
         out = await client.completions.create(model=model, prompt=prompts[model], max_tokens=12, temperature=0,
@@ -197,8 +201,8 @@ def test_outputs_equal_single_engine(deployment: Deployment, offline: LLM) -> No
         return await asyncio.gather(*(f(client, m) for m in models for f in (complete, stream, chat)))
 
     got = run(all_requests())
-    want = [text for m in models for text in (solo(offline, prompts[m], m, 12), solo(offline, prompts[m], m, 12),
-                                              solo(offline, chat_ids, m, 8))]
+    want = [text for m in models for text in (offline.complete(m, prompts[m], 12), offline.complete(m, prompts[m], 12),
+                                              offline.chat(m, MESSAGES, 8))]
     assert got == want
 
 
@@ -252,7 +256,7 @@ def test_disconnected_client_aborts_its_request(deployment: Deployment) -> None:
     assert (model, "length") not in counts
 
 
-def test_replica_failure_is_survived(deployment: Deployment, offline: LLM) -> None:
+def test_replica_failure_is_survived(deployment: Deployment, offline: Reference) -> None:
     streamed = [BASE, STARTUP, LAZY[0], BASE, STARTUP, LAZY[0]]
     whole = [BASE, STARTUP, LAZY[2]]
 
@@ -290,7 +294,7 @@ def test_replica_failure_is_survived(deployment: Deployment, offline: LLM) -> No
     on_victim = [outcome for replica, outcome in stream_results if replica == victim]
     assert on_victim and all("failed mid-stream" in o for o in on_victim), stream_results
     assert all(o.startswith("ok") for replica, o in stream_results if replica != victim), stream_results
-    assert whole_results == [(200, solo(offline, f"{m}:", m, 200)) for m in whole]
+    assert whole_results == [(200, offline.complete(m, f"{m}:", 200)) for m in whole]
 
     deadline = time.monotonic() + 90  # Serve replaces the dead replica
     while not (len(actors := ray_serve.engine_replica_actors()) == 2 and victim not in actors):

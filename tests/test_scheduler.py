@@ -1,44 +1,73 @@
-"""Scheduler admission policy, driven step by step without a model: ``schedule()``, then the
-scheduler's own post-step ``update`` with a stand-in token for every request that samples."""
+"""Scheduler admission policy, driven step by step without a forward pass: ``schedule()``, then the
+scheduler's own post-step ``update`` with a stand-in token for every request that samples. The adapters
+are the real ``AdapterManager`` over real tiny adapters (slot writes into a real tiny model, a host tier,
+background re-reads of cold adapters), so ``try_acquire`` misses as it does in the engine."""
 
 from __future__ import annotations
 
+import atexit
 import random
+import shutil
+import tempfile
+import time
 from collections.abc import Iterable
+from functools import lru_cache
+from pathlib import Path
 
+import torch
+
+from loraplex.adapters.manager import AdapterManager
 from loraplex.adapters.slots import SlotTable
 from loraplex.config import EngineConfig
 from loraplex.engine.request import Request, SamplingParams
 from loraplex.engine.scheduler.block_manager import BlockManager
 from loraplex.engine.scheduler.scheduler import Scheduler
+from loraplex.models.loader import load_model
+from loraplex.models.registry import model_config
+from tests.fixtures import write_peft_adapter, write_tiny_model
+
+
+@lru_cache(maxsize=1)
+def tiny() -> tuple[Path, Path]:
+    """A tiny llama and a rank-2 adapter on it, written once per process (plain functions build schedulers
+    here and in ``tests/test_fair_share.py``)."""
+    root = Path(tempfile.mkdtemp(prefix="loraplex-scheduler-"))
+    atexit.register(shutil.rmtree, root, True)
+    base = write_tiny_model(root / "base")
+    return base, write_peft_adapter(base, root / "adapter", rank=2, target_modules=("q_proj",))
 
 
 class Slots:
-    """The calls the scheduler makes on ``AdapterManager``, over a real ``SlotTable``; ``read_ahead``
-    records the order it was given (every weight is in host memory here, nothing to read)."""
+    """The real ``AdapterManager`` the scheduler drives, with adapters ``a0``.. ``a{n-1}`` loaded from one
+    tiny folder as versions 0..n-1 (so a test's adapter number is its version id); ``wanted`` records each
+    ``read_ahead`` call the scheduler makes (and passes it on)."""
 
-    def __init__(self, max_loras: int) -> None:
-        self.table = SlotTable(max_loras)
+    def __init__(self, max_loras: int, max_cpu_loras: int, adapters: int = 10) -> None:
+        base, folder = tiny()
+        cfg = model_config(base)
+        model = load_model(base, cfg, max_loras, 16, torch.float32, torch.device("cpu"))
+        self.manager = AdapterManager(cfg, max_loras, max_cpu_loras, 16, writer=model, first_version_id=0)
+        assert [self.manager.load(f"a{i}", folder).version_id for i in range(adapters)] == list(range(adapters))
         self.wanted: list[list[int]] = []
+        read_ahead = self.manager.read_ahead
 
-    def read_ahead(self, wanted: Iterable[int]) -> None:
-        self.wanted.append(list(wanted))
+        def recording(wanted: Iterable[int]) -> None:
+            self.wanted.append(list(wanted))
+            read_ahead(self.wanted[-1])
 
-    def try_acquire(self, version_id: int) -> int | None:
-        return self.table.acquire(version_id).slot if self.table.can_acquire(version_id) else None
+        self.manager.read_ahead = recording  # type: ignore[method-assign]
 
-    def release(self, version_id: int) -> None:
-        self.table.release(version_id)
-
-    def resident(self, version_id: int) -> bool:
-        return version_id in self.table.slot_of
+    @property
+    def table(self) -> SlotTable:
+        return self.manager.slot_table
 
 
-def make(max_loras: int, max_num_seqs: int, max_skip_steps: int = 64, blocks: int = 4096) -> tuple[Scheduler, Slots]:
-    config = EngineConfig(max_loras=max_loras, max_cpu_loras=max(max_loras, 64), max_num_seqs=max_num_seqs,
+def make(max_loras: int, max_num_seqs: int, max_skip_steps: int = 64, blocks: int = 4096, adapters: int = 10,
+         max_cpu_loras: int = 64) -> tuple[Scheduler, Slots]:
+    config = EngineConfig(max_loras=max_loras, max_cpu_loras=max(max_loras, max_cpu_loras), max_num_seqs=max_num_seqs,
                           max_skip_steps=max_skip_steps)
-    slots = Slots(max_loras)
-    return Scheduler(config, BlockManager(blocks), slots), slots
+    slots = Slots(max_loras, config.max_cpu_loras, adapters)
+    return Scheduler(config, BlockManager(blocks), slots.manager), slots
 
 
 def request(i: int, adapter: int | None, max_tokens: int = 8, prompt: int = 5) -> Request:
@@ -110,7 +139,7 @@ def test_strict_mode_admits_only_ride_alongs() -> None:
 def test_batch_stays_full_when_adapters_outnumber_slots() -> None:
     """128 requests over 32 adapters (4 each, shuffled), 8 slots, 32 sequences, 64 tokens each: strict
     mode starts after the first round, and ride-alongs keep the batch nearly full all the same."""
-    scheduler, _ = make(max_loras=8, max_num_seqs=32, max_skip_steps=64)
+    scheduler, _ = make(max_loras=8, max_num_seqs=32, max_skip_steps=64, adapters=32)
     adapters = [i % 32 for i in range(128)]
     random.Random(0).shuffle(adapters)
     reqs = [request(i, a, max_tokens=64, prompt=30) for i, a in enumerate(adapters)]
@@ -148,8 +177,8 @@ def test_update_finishes_at_each_stop_condition() -> None:
     context length end with "length"; finished requests hand back their blocks and pins."""
     config = EngineConfig(max_loras=1, max_cpu_loras=1, max_num_seqs=8)
     allocator = BlockManager(64)
-    slots = Slots(1)
-    scheduler = Scheduler(config, allocator, slots, eos_token_ids=(2,), max_model_len=9)
+    slots = Slots(1, 1, adapters=2)
+    scheduler = Scheduler(config, allocator, slots.manager, eos_token_ids=(2,), max_model_len=9)
     prompt = [5, 6, 7, 8]
 
     def make(i: int, **params: object) -> Request:
@@ -175,3 +204,23 @@ def test_update_finishes_at_each_stop_condition() -> None:
     assert context.finish_reason == "length" and len(context.output_token_ids) == 5
     assert no_eos.finish_reason == "length" and len(no_eos.output_token_ids) == 5
     assert allocator.num_free == 64 and slots.table.pinned() == 0
+
+
+def test_cold_adapters_wait_for_their_reads_and_everything_finishes() -> None:
+    """A host tier of 2 under 6 adapters: most versions are cold (evicted from host memory), so ``try_acquire``
+    misses and starts a background re-read from disk; their requests wait (no error) and run once the weights
+    are back, while the other adapters' requests keep running."""
+    scheduler, slots = make(max_loras=2, max_num_seqs=4, max_skip_steps=8, blocks=128, adapters=6, max_cpu_loras=2)
+    reqs = [request(i, i % 6, max_tokens=3 + i % 4) for i in range(24)]
+    for r in reqs:
+        scheduler.add(r)
+    deadline = time.monotonic() + 60
+    while scheduler.has_work():
+        if not step(scheduler):
+            assert time.monotonic() < deadline, "cold adapters never became placeable"
+            time.sleep(0.005)  # the engine backs off the same way when nothing is placeable
+    assert all(r.finished and r.finish_reason == "length" for r in reqs)
+    counters = slots.manager.counters()
+    assert counters["disk_reads"] >= 4 and counters["host_evictions"] >= 4, counters
+    assert slots.table.pinned() == 0 and scheduler.allocator.num_free == 128
+    slots.manager.check_integrity()

@@ -1,14 +1,15 @@
 """The OpenAI-compatible server over real HTTP (uvicorn on 127.0.0.1), with the official ``openai``
 client and httpx: completions and chat, streamed and not, for the base model and two adapters, each
-equal to the offline ``LLM.generate`` output; ``/v1/models`` through runtime load and unload;
-metrics; a client that disconnects frees its request."""
+equal to HF transformers + PEFT's greedy output decoded by HF's tokenizer (``tests/hf_text.py``: no loraplex
+code on the expected side); ``/v1/models`` through runtime load and unload; metrics; a client that disconnects
+frees its request."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -16,8 +17,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplex import LLM, SamplingParams
 from loraplex.engine.engine import STEP_DELAY_ENV
+from tests.hf_text import HfAnswer, hf_chat, hf_complete
 from tests.server_harness import BASE, MODES, Server, tiny_server, wait_until_idle
 
 CONFIG = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=8)
@@ -40,24 +41,11 @@ def server(request: pytest.FixtureRequest, tiny_llama: Path, tiny_llama_adapters
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> LLM:
-    llm = LLM(model=str(tiny_llama), **CONFIG)
-    for name in (*STARTUP, "r16_mlp"):
-        llm.load_adapter(name, tiny_llama_adapters[name])
-    return llm
-
-
-def solo(llm: LLM, prompt: str | list[int], model: str, max_tokens: int) -> tuple[str, int, str]:
-    """(text, completion tokens, finish reason) of the request run alone, offline."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    out = llm.generate([prompt], params, adapters=[None if model == BASE else model], use_tqdm=False)[0]
-    return out.text, len(out.token_ids), out.finish_reason
-
-
-def chat_prompt_ids(llm: LLM) -> list[int]:
-    """The chat prompt's token ids, through transformers' own tokenizing path of the template."""
-    enc = llm.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)
-    return list(enc["input_ids"])
+def hf(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> Callable[..., HfAnswer]:
+    """``hf(model, prompt, max_tokens, ...)``: HF + PEFT's answer for a served name (``hf_complete``)."""
+    def answer(model: str, prompt: str | list[int], max_tokens: int, **kw: object) -> HfAnswer:
+        return hf_complete(tiny_llama, tiny_llama_adapters.get(model), prompt, max_tokens, **kw)
+    return answer
 
 
 def sse_lines(response: httpx.Response) -> list[str]:
@@ -65,14 +53,15 @@ def sse_lines(response: httpx.Response) -> list[str]:
 
 
 @pytest.mark.parametrize("model", [BASE, *STARTUP])
-def test_completion_streamed_and_not_equal_offline(server: Server, offline: LLM, model: str) -> None:
-    text, n_tokens, finish = solo(offline, PROMPT, model, 12)
+def test_completion_streamed_and_not_equal_hf(server: Server, hf: Callable[..., HfAnswer], model: str) -> None:
+    want = hf(model, PROMPT, 12)
+    text, n_tokens, finish = want.text, len(want.token_ids), want.finish_reason
     client = server.client()
     full = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
     assert full.choices[0].text == text
     assert full.choices[0].finish_reason == finish
     assert full.usage.completion_tokens == n_tokens
-    assert full.usage.prompt_tokens == len(offline.tokenize(PROMPT))
+    assert full.usage.prompt_tokens == len(want.prompt_ids)
     assert full.usage.total_tokens == full.usage.prompt_tokens + n_tokens
     assert full.model == model and full.object == "text_completion"
     chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
@@ -83,9 +72,10 @@ def test_completion_streamed_and_not_equal_offline(server: Server, offline: LLM,
 
 
 @pytest.mark.parametrize("model", [BASE, *STARTUP])
-def test_chat_streamed_and_not_equal_offline(server: Server, offline: LLM, model: str) -> None:
-    prompt_ids = chat_prompt_ids(offline)
-    text, n_tokens, finish = solo(offline, prompt_ids, model, 10)
+def test_chat_streamed_and_not_equal_hf(server: Server, tiny_llama: Path, tiny_llama_adapters: dict[str, Path],
+                                       model: str) -> None:
+    want = hf_chat(tiny_llama, tiny_llama_adapters.get(model), MESSAGES, 10)
+    prompt_ids, text, n_tokens, finish = want.prompt_ids, want.text, len(want.token_ids), want.finish_reason
     client = server.client()
     full = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=10, temperature=0)
     assert full.choices[0].message.role == "assistant"
@@ -99,14 +89,13 @@ def test_chat_streamed_and_not_equal_offline(server: Server, offline: LLM, model
     assert chunks[-1].choices[0].finish_reason == finish
 
 
-def test_stop_strings_equal_offline(server: Server, offline: LLM) -> None:
-    """Stop strings taken from the middle of the offline text end the request at the same token, with the
-    same text, streamed or not (the engine process's outputs are detokenized and matched in the server)."""
-    free = offline.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
-                            adapters=["r8_all"], use_tqdm=False)[0].text
+def test_stop_strings_equal_hf(server: Server, hf: Callable[..., HfAnswer]) -> None:
+    """Stop strings taken from the middle of HF's text end the request at the token that completes them, with
+    the text before them, streamed or not (the engine process's outputs are detokenized and matched in the
+    server)."""
+    free = hf("r8_all", PROMPT, 24, ignore_eos=True).text
     stop = [free[len(free) // 2:len(free) // 2 + 3], "never appears"]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=tuple(stop))
-    want = offline.generate([PROMPT], params, adapters=["r8_all"], use_tqdm=False)[0]
+    want = hf("r8_all", PROMPT, 24, ignore_eos=True, stop=stop)
     assert want.finish_reason == "stop" and len(want.text) < len(free)
     kw = dict(model="r8_all", prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, extra_body={"ignore_eos": True})
     full = server.client().completions.create(**kw)
@@ -118,9 +107,9 @@ def test_stop_strings_equal_offline(server: Server, offline: LLM) -> None:
     wait_until_idle(server.engine_client)
 
 
-def test_adapters_change_the_output(offline: LLM) -> None:
+def test_adapters_change_the_output(hf: Callable[..., HfAnswer]) -> None:
     """Guards the equality tests above: base and the two adapters write different texts."""
-    texts = {solo(offline, PROMPT, model, 12)[0] for model in (BASE, *STARTUP)}
+    texts = {hf(model, PROMPT, 12).text for model in (BASE, *STARTUP)}
     assert len(texts) == 3
 
 
@@ -138,7 +127,7 @@ def test_raw_sse_format(server: Server) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-def test_models_follow_runtime_load_and_unload(server: Server, offline: LLM) -> None:
+def test_models_follow_runtime_load_and_unload(server: Server, hf: Callable[..., HfAnswer]) -> None:
     client = server.client()
     cards = {m.id: m for m in client.models.list().data}
     assert set(cards) == {BASE, *STARTUP}
@@ -152,7 +141,7 @@ def test_models_follow_runtime_load_and_unload(server: Server, offline: LLM) -> 
     cards = {m.id: m for m in client.models.list().data}
     assert set(cards) == {BASE, *STARTUP, "r16_mlp"}
     assert (cards["r16_mlp"].parent, Path(cards["r16_mlp"].root)) == (BASE, folder.resolve())
-    text = solo(offline, PROMPT, "r16_mlp", 8)[0]
+    text = hf("r16_mlp", PROMPT, 8).text
     assert client.completions.create(model="r16_mlp", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text \
         == text
     r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "r16_mlp"})
@@ -227,7 +216,7 @@ def test_metrics_and_health(server: Server) -> None:
     assert len(slots["slots"]) == 2 and {a["adapter"] for a in slots["adapters"]} >= set(STARTUP)
 
 
-def test_chat_renders_the_adapters_own_template(server: Server, offline: LLM,
+def test_chat_renders_the_adapters_own_template(server: Server, tiny_llama: Path,
                                                tiny_llama_adapters: dict[str, Path]) -> None:
     """An adapter folder that ships ``chat_template.jinja``: its chat requests are rendered with it (the
     base model's and other adapters' with the base template)."""
@@ -235,17 +224,14 @@ def test_chat_renders_the_adapters_own_template(server: Server, offline: LLM,
     shutil.copytree(tiny_llama_adapters["r2_qv"], folder)
     (folder / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
                                                 "{% endfor %}[assistant]")
-    offline.load_adapter("templated", folder)
     r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "templated", "lora_path": str(folder)})
     assert r.status_code == 200, r.text
     try:
-        text = offline.current_version("templated").tokenizer.apply_chat_template(MESSAGES, tokenize=False)
-        assert text.startswith("[system] You are terse.")
-        ids = offline.tokenizer(text, add_special_tokens=False)["input_ids"]
+        want = hf_chat(tiny_llama, folder, MESSAGES, 8)
+        base_prompt = hf_chat(tiny_llama, tiny_llama_adapters["r2_qv"], MESSAGES, 1).prompt_ids
         full = server.client().chat.completions.create(model="templated", messages=MESSAGES, max_tokens=8,
                                                        temperature=0)
-        assert full.usage.prompt_tokens == len(ids) != len(chat_prompt_ids(offline))
-        assert full.choices[0].message.content == solo(offline, ids, "templated", 8)[0]
+        assert full.usage.prompt_tokens == len(want.prompt_ids) != len(base_prompt)
+        assert full.choices[0].message.content == want.text
     finally:
         httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "templated"})
-        offline.unload_adapter("templated")

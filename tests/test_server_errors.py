@@ -168,6 +168,16 @@ def test_malformed_body(server: Server, path: str, content: bytes, status: int, 
 def test_unknown_route_and_method(server: Server) -> None:
     assert_error(httpx.get(f"{server.url}/v1/nothing"), 404, "not_found_error", None)
     assert_error(httpx.get(f"{server.url}/v1/completions"), 405, "invalid_request_error", None)
+    # one path served by a route per method: the 405 names every method served there
+    wrong_method = httpx.put(f"{server.url}/v1/responses/resp_x")
+    assert_error(wrong_method, 405, "invalid_request_error", None)
+    assert wrong_method.headers["allow"] == "DELETE, GET"
+
+
+def test_operation_ids_are_unique(server: Server) -> None:
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    ids = [op["operationId"] for path in spec["paths"].values() for op in path.values() if "operationId" in op]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
 
 
 def test_still_serving_after_errors(server: Server) -> None:

@@ -1,6 +1,6 @@
 """Adapters loaded on first use (``--adapter-root DIR --load-on-demand``) over real HTTP, in both engine modes:
-32 concurrent first-use requests load the adapter exactly once and all answer with the adapter's offline
-tokens; a missing folder is the unknown model's 404, an invalid one the load's 400, a symlink out of the
+32 concurrent first-use requests load the adapter exactly once and all answer with HF + PEFT's greedy
+text for the adapter; a missing folder is the unknown model's 404, an invalid one the load's 400, a symlink out of the
 root 403, and a name outside the caller's scope never triggers a load."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loraplex import LLM, SamplingParams
 from loraplex.server.tenancy.keys import ApiKey, KeyTable
+from tests.hf_text import hf_complete
 from tests.server_harness import MODES, Server, tiny_server
 
 CONFIG = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=16)
@@ -44,10 +44,8 @@ def server(request: pytest.FixtureRequest, tiny_llama: Path, tiny_llama_adapters
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> str:
-    llm = LLM(model=str(tiny_llama), **CONFIG)
-    llm.load_adapter("r8_all", tiny_llama_adapters["r8_all"])
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    return llm.generate([PROMPT], params, adapters=["r8_all"], use_tqdm=False)[0].text
+    """HF + PEFT's greedy text of PROMPT with ``r8_all``."""
+    return hf_complete(tiny_llama, tiny_llama_adapters["r8_all"], PROMPT, 12, ignore_eos=True).text
 
 
 def post(server: Server, model: str, key: str = "sk-all") -> httpx.Response:

@@ -1,5 +1,6 @@
 """The server on the real embedded SmolLM2-135M-Instruct: chat through its own template, base and an
-adapter, streamed and not, equal to the offline ``LLM.generate`` output of the same engine."""
+adapter, streamed and not, equal to HF transformers + PEFT's greedy answer decoded by HF's tokenizer
+(``tests/hf_text.py``)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from pathlib import Path
 import openai
 import pytest
 
-from loraplex import LLM, RequestOutput, SamplingParams
+from loraplex import LLM
 from loraplex.models.embedded import EMBEDDED_MODEL, embedded_checkpoint
 from loraplex.server.app import create_app
 from tests.fixtures import write_peft_adapter
+from tests.hf_text import HfAnswer, hf_chat
 from tests.server_harness import running_server
 
 pytestmark = pytest.mark.slow
@@ -26,7 +28,7 @@ MAX_TOKENS = 12
 class Smol:
     url: str
     prompt_tokens: int
-    offline: dict[str, RequestOutput]  # model name -> offline output
+    offline: dict[str, HfAnswer]  # model name -> HF + PEFT's answer
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -34,19 +36,15 @@ class Smol:
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Smol]:
-    """A server on SmolLM2 with one adapter, and the offline outputs of the same engine computed
-    before the server starts (``LLM.generate`` and the server's step thread never run together)."""
-    adapter = write_peft_adapter(embedded_checkpoint(), tmp_path_factory.mktemp("smol") / "qv", rank=8,
-                                 b_std=0.09, seed=3)
+    """A server on SmolLM2 with one adapter, and HF + PEFT's answers for the base model and the adapter."""
+    base = embedded_checkpoint()
+    adapter = write_peft_adapter(base, tmp_path_factory.mktemp("smol") / "qv", rank=8, b_std=0.09, seed=3)
+    offline = {model: hf_chat(base, folder, MESSAGES, MAX_TOKENS)
+               for model, folder in ((EMBEDDED_MODEL, None), ("qv", adapter))}
     llm = LLM(max_loras=1, max_lora_rank=8, kv_cache_blocks=64)
     llm.load_adapter("qv", adapter)
-    ids = list(llm.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)
-               ["input_ids"])
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    offline = {model: llm.generate([ids], params, adapters=[None if model == EMBEDDED_MODEL else model],
-                                   use_tqdm=False)[0] for model in (EMBEDDED_MODEL, "qv")}
     with running_server(create_app(llm)) as url:  # an LLM serves its own engine
-        yield Smol(url, len(ids), offline)
+        yield Smol(url, len(offline[EMBEDDED_MODEL].prompt_ids), offline)
 
 
 @pytest.mark.parametrize("model", [EMBEDDED_MODEL, "qv"])

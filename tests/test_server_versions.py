@@ -1,7 +1,7 @@
 """Adapter versions as an API over real HTTP, in both engine modes: GET /v1/adapters, promotion with
 "version": "new" (a request in flight finishes on the old version), rollback, weighted splits and their
 errors, and every response naming the version that answered (system_fingerprint, x-loraplex-adapter-version),
-each answer's tokens equal to that version's offline reference."""
+each answer's text equal to that version's HF transformers + PEFT greedy text (``tests/hf_text.py``)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loraplex import LLM, SamplingParams
 from loraplex.models.fingerprint import checkpoint_fingerprint
+from tests.hf_text import hf_complete
 from tests.server_harness import BASE, MODES, Server, tiny_server
 
 CONFIG = dict(max_loras=2, max_cpu_loras=4, max_lora_rank=16, kv_cache_blocks=256, max_num_seqs=8)
@@ -34,16 +34,10 @@ def server(request: pytest.FixtureRequest, tiny_llama: Path, tiny_llama_adapters
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama: Path, tiny_llama_adapters: dict[str, Path]) -> dict[str | None, str]:
-    """Greedy text of PROMPT per adapter folder (None: the base), offline; "long": LONG tokens of r4_attn."""
-    llm = LLM(model=str(tiny_llama), **CONFIG)
-    out = {}
-    for name in (None, "r4_attn", "r2_qv"):
-        if name is not None:
-            llm.load_adapter(name, tiny_llama_adapters[name])
-        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-        out[name] = llm.generate([PROMPT], params, adapters=[name], use_tqdm=False)[0].text
-    params = SamplingParams(max_tokens=LONG, temperature=0.0, ignore_eos=True)
-    out["long"] = llm.generate([PROMPT], params, adapters=["r4_attn"], use_tqdm=False)[0].text
+    """HF + PEFT's greedy text of PROMPT per adapter (None: the base); "long": LONG tokens of r4_attn."""
+    out = {name: hf_complete(tiny_llama, tiny_llama_adapters.get(name), PROMPT, 24, ignore_eos=True).text
+           for name in (None, "r4_attn", "r2_qv")}
+    out["long"] = hf_complete(tiny_llama, tiny_llama_adapters["r4_attn"], PROMPT, LONG, ignore_eos=True).text
     return out
 
 

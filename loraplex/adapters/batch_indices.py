@@ -21,18 +21,17 @@ class BatchIndices:
         return self._memo[1] if self._memo else None
 
     def derive(self, mapping: BatchMapping, slot_table: SlotTable) -> LoRABatch | None:
-        """Slot indices for ``mapping`` (None if no token uses an adapter). Raises RuntimeError if a mapped
-        id holds no pin (its slot could be overwritten while the step reads it)."""
+        """Slot indices for ``mapping`` (None if no token uses an adapter, plans' members included). Raises
+        RuntimeError if a mapped id holds no pin (its slot could be overwritten while the step reads it)."""
         version = slot_table.version
         memo = self._memo
         hit = memo is not None and memo[1] == version and (memo[0] is mapping or memo[0] == mapping)
-        batch, ids = (memo[2], memo[3]) if hit and memo is not None else (
-            None, frozenset(a for a in mapping.token_version_ids if a is not None))
+        batch, ids = (memo[2], memo[3]) if hit and memo is not None else (None, mapping.version_ids())
         for version_id in ids:
             if slot_table.pins(version_id) == 0:
                 raise RuntimeError(f"adapter {version_id} is in the batch mapping but holds no pin")
         if batch is None:
-            if all(a is None for a in mapping.token_version_ids):
+            if not ids:
                 return None
             batch = build_lora_batch(mapping, slot_table.slot_of, version)
             self._memo = (mapping, version, batch, ids)

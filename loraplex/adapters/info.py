@@ -25,6 +25,9 @@ class AdapterInfo:
     loaded_at: float = 0.0  # when this version was loaded (Unix time)
     roots: tuple[str, ...] | None = None  # the allowed roots it was loaded under (its re-reads keep them)
     in_memory: bool = False  # loaded from tensors: no folder to re-read, so its weights stay in host memory
+    scalable: bool = True  # a lora_scale or adapter mix can weight it (``AdapterWeights.scalable``)
+    # aLoRA: its delta applies from the last occurrence of these token ids in a request's prompt on (else None)
+    alora_invocation_tokens: tuple[int, ...] | None = None
 
 
 @dataclass

@@ -117,11 +117,12 @@ class AdapterManager:
     def _register(self, name: str, weights: AdapterWeights, new_version: bool, tokenizer: Any,
                   roots: tuple[str, ...] | None, in_memory: bool) -> AdapterInfo:
         """Register validated, folded ``weights`` as the new version of ``name`` (under the lock)."""
+        alora = weights.config.alora_invocation_tokens  # an aLoRA is served alone, at scale 1
         with self._lock:
             self._check_name_free(name, weights.path, new_version)
             info = AdapterInfo(name, weights.path, self._next_id, weights.content_hash, weights.max_rank,
                                weights.vocab_size, weights.saved_bytes, weights.uses_dora, tokenizer, time.time(),
-                               roots, in_memory)
+                               roots, in_memory, weights.scalable and alora is None, alora)
             self.budget.reserve(info.version_id, info.saved_bytes, f"{weights.path}: adapter {name!r}")
             self._next_id += 1
             self._infos[info.version_id] = info

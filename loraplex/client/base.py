@@ -170,7 +170,7 @@ class EngineClient(abc.ABC):
         for request_id, token_ids, params in items:
             self.outputs.add(request_id, token_ids, params, version.tokenizer, version.name)
         try:
-            await self._enqueue([NewRequest(request_id, list(token_ids), params, version.version_id)
+            await self._enqueue([NewRequest(request_id, list(token_ids), params, version.version_id, version.plan)
                                  for request_id, token_ids, params in items], tags)
         except BaseException:
             for stream in streams:

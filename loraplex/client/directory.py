@@ -43,16 +43,21 @@ class Version:
     tokenizer: Any = None  # its tokenizer in this process (None: the model has none)
     tokenizer_folder: str | None = None  # where a worker process reads it from (None: the base model's)
     tokenizer_roots: tuple[str, ...] | None = None  # the roots that folder's files must resolve in
+    # the request's LoRA plan when it is not this version at scale 1 (``client/adapter_mix.py``): a lora_scale on
+    # it, or an adapter mix (``version_id`` None, ``name`` its members' names joined by "+")
+    plan: tuple[tuple[int, float], ...] | None = None
 
     @property
     def label(self) -> str:
-        """``v<id>``, or ``base``: the ``x-loraplex-adapter-version`` header."""
+        """``v<id>``, or ``base``, or a mix's members ``v<id>+v<id>``: the ``x-loraplex-adapter-version`` header."""
+        if self.version_id is None and self.plan:
+            return "+".join(f"v{version_id}" for version_id, _ in self.plan)
         return "base" if self.version_id is None else f"v{self.version_id}"
 
     def portable(self) -> Version:
         """This version without its tokenizer object, to hand to another process."""
         return Version(self.version_id, self.name, self.content_hash, self.vocab_size, None, self.tokenizer_folder,
-                       self.tokenizer_roots)
+                       self.tokenizer_roots, self.plan)
 
 
 TokenizerReader = Callable[[HeldVersion], Any]  # a held version that ships a tokenizer -> that tokenizer

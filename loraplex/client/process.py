@@ -109,9 +109,9 @@ class EngineProcess(EngineClient):
         self._proc, self._conn, ready = launch(config, adapters, self._cpus, self._log_level, self._start_timeout)
         info = self._info = ready.info
         if info.has_tokenizer and self.tokenizer is None:
-            from transformers import AutoTokenizer
+            from loraplex.models.tokenizer_source import model_tokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(info.model_path)
+            self.tokenizer = model_tokenizer(info.model_path)
         self.directory = AdapterDirectory(self.tokenizer, info.vocab_size,
                                           folder_reader(self.tokenizer, info.vocab_size))
         try:

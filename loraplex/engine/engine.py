@@ -19,18 +19,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from loraplex.adapters.info import AdapterInfo
 from loraplex.adapters.manager import AdapterManager
 from loraplex.adapters.versions import VersionView
 from loraplex.config import EngineConfig
+from loraplex.engine.checks.faults import install_faults
+from loraplex.engine.checks.invariants import check_right_kv, check_right_weights, keys_hold_all_kv_inputs
 from loraplex.engine.intake import RequestBounds, RequestIntake
-from loraplex.engine.invariants import check_right_kv, check_right_weights, keys_hold_all_kv_inputs
 from loraplex.engine.kv_cache import KVCache
 from loraplex.engine.memory import release_free_memory
 from loraplex.engine.pooling.pooler import PoolingPlan
-from loraplex.engine.request import NO_TAGS, EngineOutput, NewRequest, Request, RequestTags, SamplingParams
+from loraplex.engine.request import NO_TAGS, EngineOutput, NewRequest, Plan, Request, RequestTags, SamplingParams
 from loraplex.engine.runner import ModelRunner, StepEntry
 from loraplex.engine.sampling.logprobs import add_prompt_logprobs, needs_prompt_rows
 from loraplex.engine.sampling.sampler import nonfinite_rows, sample_rows
@@ -38,7 +39,8 @@ from loraplex.engine.sampling.structured.compiler import GrammarCompilers
 from loraplex.engine.sampling.structured.waiting import GrammarWaitlist
 from loraplex.engine.scheduler.admission import WaitingBound
 from loraplex.engine.scheduler.block_manager import BlockManager
-from loraplex.engine.scheduler.scheduler import ScheduledRequest, Scheduler
+from loraplex.engine.scheduler.scheduler import ScheduledRequest, Scheduler, step_mapping
+from loraplex.engine.speculative.verify import accept_drafts
 from loraplex.engine.stats import EngineStats, collect_stats
 from loraplex.engine.wire import EngineInfo
 from loraplex.errors import EngineStepFailed, LoraplexError
@@ -47,8 +49,8 @@ from loraplex.models.embedded import resolve_model
 from loraplex.models.fingerprint import checkpoint_fingerprint
 from loraplex.models.loader import load_model
 from loraplex.models.registry import model_config
+from loraplex.models.tokenizer_source import model_tokenizer
 from loraplex.ops.lora import resolve_lora_kernels
-from loraplex.ops.lora_batch import BatchMapping
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ class Engine:
         self._step_delay = float(os.environ.get(STEP_DELAY_ENV, "0"))
         folder = resolve_model(config.model)
         self.model_path = folder
-        self.model_name = config.model if not Path(config.model).is_dir() else Path(config.model).name
+        self.model_name = config.model if not Path(config.model).exists() else Path(config.model).name
         self.model_config = model_config(folder)
         self.device, self.dtype = _pick_device(config)
         if config.num_threads is not None:
@@ -91,8 +93,7 @@ class Engine:
         self.lora_kernels = resolve_lora_kernels(config.lora_kernels, self.device)
         use_lora_kernels(self.model, self.lora_kernels, config.max_num_batched_tokens)
         use_lora_dtype(self.model, torch.bfloat16 if config.lora_dtype == "bfloat16" else self.dtype)
-        self.tokenizer: PreTrainedTokenizerBase | None = (
-            AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None)
+        self.tokenizer: PreTrainedTokenizerBase | None = model_tokenizer(folder)
         block_bytes = KVCache.bytes_per_block(self.model_config, config.block_size, self.dtype)
         num_blocks = config.kv_cache_blocks or max(1, config.kv_cache_bytes // block_bytes)
         self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
@@ -109,7 +110,10 @@ class Engine:
                                    self.max_model_len)
         self._inbox: queue.SimpleQueue[list[Request] | str | _Retire] = queue.SimpleQueue()
         self._requests: dict[str, Request] = {}
-        self.grammars = GrammarCompilers(self.model_config.eos_token_ids)  # structured outputs' grammars
+        self.grammars = GrammarCompilers(self.model_config.eos_token_ids, workers=config.grammar_compile_workers,
+                                         timeout_s=config.grammar_compile_timeout_s)  # structured outputs' grammars
+        if config.grammar_compile_warm:
+            self.grammars.pool.start()
         self._compiling = GrammarWaitlist()  # requests waiting for their grammar, outside the scheduler
         self.waiting_bound = WaitingBound(config, self.scheduler, self._compiling)  # 503 past max_waiting_requests
         self.intake = RequestIntake(self.adapters, self.tokenizer, self.model_config.vocab_size,
@@ -125,6 +129,7 @@ class Engine:
                     config.block_size, num_blocks * block_bytes / 2**20)
         row_bytes = self.model_config.hidden_size * self.model.embed_tokens.weight.element_size()
         logger.info("%s", self.adapters.budget.describe(row_bytes * self.model_config.vocab_size, row_bytes))
+        install_faults(self)  # tests only: nothing unless LORAPLEX_TEST_FAULTS is set (engine/checks/faults.py)
 
     # ---- adapters (any thread) ----
     def load_adapter(self, name: str, path: str | Path | None = None, *,
@@ -206,9 +211,9 @@ class Engine:
 
     # ---- requests (any thread) ----
     def add_request(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    version_id: int | None = None, tags: RequestTags = NO_TAGS) -> str:
-        """Validate and queue one request (``add_requests`` of one); returns its id."""
-        return self.add_requests([NewRequest(request_id, prompt_token_ids, params, version_id)], tags)[0]
+                    version_id: int | None = None, tags: RequestTags = NO_TAGS, plan: Plan | None = None) -> str:
+        """Validate and queue one request (``add_requests`` of one; ``plan``: ``NewRequest.plan``); returns its id."""
+        return self.add_requests([NewRequest(request_id, prompt_token_ids, params, version_id, plan)], tags)[0]
 
     def add_requests(self, items: Sequence[NewRequest], tags: RequestTags = NO_TAGS) -> list[str]:
         """Validate every ``NewRequest``, then queue them all at once, so they are admitted together (the
@@ -255,14 +260,17 @@ class Engine:
         return outputs
 
     def _run(self, batch: list[ScheduledRequest], outputs: list[EngineOutput]) -> tuple[list[ScheduledRequest],
-                                                                                         list[int]]:
+                                                                                         list[int | list[int]]]:
         """Run ``batch``'s forward pass and draw its tokens. A row whose logits are not finite fails its request
-        alone (appended to ``outputs``); returns the rest of the batch and the tokens they drew, in order."""
-        entries = [StepEntry(tuple(s.request.all_token_ids[s.start:s.start + s.num_tokens]), s.start,
-                             tuple(s.request.block_table), needs_prompt_rows(s.request, s.start, s.num_tokens),
+        alone (appended to ``outputs``); returns the rest of the batch and what they drew, in order: a token,
+        or for a row that verified a draft its accepted run (``accept_drafts``). A draft's tokens run after the
+        row's own, under the row's adapter, and every one of its positions gets a logits row."""
+        entries = [StepEntry(tuple(s.request.all_token_ids[s.start:s.start + s.num_tokens]) + s.draft, s.start,
+                             tuple(s.request.block_table),
+                             bool(s.draft) or needs_prompt_rows(s.request, s.start, s.num_tokens),
                              pooled=s.request.pool is not None)
                    for s in batch]
-        mapping = BatchMapping.from_sequences([(s.request.version_id, s.num_tokens) for s in batch])
+        mapping = step_mapping(batch)
         lora = self.adapters.lora_batch(mapping)
         if self.config.debug_checks:
             check_right_weights(self.adapters, mapping, lora)
@@ -281,12 +289,18 @@ class Engine:
                 pooling.accumulate(hidden, [None if i in bad else s.request.pool for i, s in enumerate(batch)])
             outputs += self._fail_rows(batch, bad)
             kept = [i for i in range(len(batch)) if i not in bad]
-            for i in (i for i in kept if entries[i].all_logits):
+            for i in (i for i in kept if entries[i].all_logits and not batch[i].draft):
                 add_prompt_logprobs(batch[i].request, batch[i].start, logits[ends[i] - entries[i].num_logits : ends[i]])
             drawing = [i for i in kept if batch[i].draws]
-            tokens = sample_rows(logits, [ends[i] - 1 for i in drawing], [batch[i].request for i in drawing],
-                                 self.model_config.eos_token_ids)
-        return [batch[i] for i in kept], tokens
+            plain = [i for i in drawing if not batch[i].draft]
+            drafted = [i for i in drawing if batch[i].draft]
+            drawn: dict[int, int | list[int]] = dict(zip(plain, sample_rows(
+                logits, [ends[i] - 1 for i in plain], [batch[i].request for i in plain],
+                self.model_config.eos_token_ids), strict=True))
+            drawn.update(zip(drafted, accept_drafts(logits, [ends[i] - entries[i].num_logits for i in drafted],
+                                                    [batch[i].draft for i in drafted],
+                                                    [batch[i].request for i in drafted]), strict=True))
+        return [batch[i] for i in kept], [drawn[i] for i in drawing]
 
     @staticmethod
     def _nonfinite_entries(logits: torch.Tensor, entries: list[StepEntry], ends: list[int]) -> set[int]:
@@ -324,6 +338,8 @@ class Engine:
                     self.scheduler.add(request)
             elif isinstance(item, _Retire):
                 self.allocator.retire(item.version_id)
+                if self.scheduler.speculator is not None:
+                    self.scheduler.speculator.retire(item.version_id)
                 release_free_memory()  # its weights were freed: hand the pages back (engine/memory.py)
             elif (request := self._requests.get(item)) is not None:
                 self._compiling.remove(request)
@@ -337,9 +353,9 @@ class Engine:
         """Requests whose adapter version can no longer be served (e.g. its files changed) fail alone."""
         outputs = []
         for request in list(self.scheduler.waiting):
-            if request.version_id is None or request.pinned:  # a pinned version stays servable
+            if request.pinned:  # a pinned version stays servable
                 continue
-            error = self.adapters.failure(request.version_id)
+            error = next(filter(None, map(self.adapters.failure, request.members)), None)
             if error is not None:
                 outputs.append(self._finish(request, "error", error))
         return outputs

@@ -26,9 +26,11 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from loraplex.adapters.info import AdapterInfo
 from loraplex.adapters.manager import AdapterManager
 from loraplex.config import EngineConfig
-from loraplex.engine.request import NewRequest, Request, RequestTags, check_context_length
+from loraplex.engine.lora_plan import check_members, check_plan
+from loraplex.engine.request import KVOwner, NewRequest, Request, RequestTags, check_context_length
 from loraplex.engine.sampling.structured.compiler import GrammarCompilers
 from loraplex.errors import RequestError
 
@@ -39,18 +41,20 @@ class RequestBounds:
 
     max_request_output_tokens: int  # n x max_tokens of one prompt's choices; default 16 x max_model_len
     max_prompt_logprobs_tokens: int  # prompt tokens one request may ask logprobs of; default max_model_len
+    max_plan_entries: int = 4  # entries of one LoRA plan: max_adapters_per_request, at most max_loras
 
     @classmethod
     def of(cls, config: EngineConfig, max_model_len: int) -> RequestBounds:
         output, logprobs = config.max_request_output_tokens, config.max_prompt_logprobs_tokens
-        return cls(16 * max_model_len if output is None else output, max_model_len if logprobs is None else logprobs)
+        return cls(16 * max_model_len if output is None else output, max_model_len if logprobs is None else logprobs,
+                   min(config.max_adapters_per_request, config.max_loras))
 
     def check(self, requests: Sequence[Request]) -> None:
         """``RequestError`` ("n" / "max_tokens", "prompt_logprobs") naming the bound ``requests`` go past."""
-        per_prompt: Counter[tuple[int | None, tuple[int, ...]]] = Counter()
-        choices: Counter[tuple[int | None, tuple[int, ...]]] = Counter()
+        per_prompt: Counter[tuple[KVOwner, tuple[int, ...]]] = Counter()
+        choices: Counter[tuple[KVOwner, tuple[int, ...]]] = Counter()
         for request in requests:
-            prompt = (request.version_id, tuple(request.prompt_token_ids))
+            prompt = (request.kv_owner, tuple(request.prompt_token_ids))
             per_prompt[prompt] += request.params.max_tokens
             choices[prompt] += 1
             if request.params.prompt_logprobs is not None and (
@@ -97,30 +101,61 @@ class RequestIntake:
             for request in requests:
                 self.release(request)
             raise
-        for version_id in {r.version_id for r in requests} - {None}:
+        for version_id in {v for r in requests for v in r.members}:
             self.adapters.count_served(version_id)
         return requests
 
     def make(self, item: NewRequest, tags: RequestTags) -> Request:
-        info = self.adapters.hold(item.version_id) if item.version_id is not None else None
+        """Hold every version the item reads (its version, or each member of its plan), then build it; on any
+        refusal the holds taken are released and the error raised."""
+        if item.plan is not None:
+            item = item._replace(plan=check_plan(item.plan, item.version_id, self.bounds.max_plan_entries))
+        members = [item.version_id] if item.version_id is not None else []
+        if item.plan is not None:
+            members = [v for v, _ in item.plan]
+        held: list[AdapterInfo] = []
+        request: Request | None = None
         try:
-            request = self._build(item, info.name if info is not None else None)
+            for version_id in members:
+                held.append(self.adapters.hold(version_id))
+            if item.plan is not None:
+                check_members(item.plan, held)
+            request = self._build(item, "+".join(info.name for info in held) or None, members[0] if members else None,
+                                  tags.tenant)
+            if held and held[0].alora_invocation_tokens is not None:
+                request.alora_start = self._invocation_point(held[0], request.prompt_token_ids)
         except BaseException:
-            if info is not None:
+            if request is not None and request.grammar is not None:
+                request.grammar.abandon()
+            for info in held:
                 self.adapters.release_hold(info.version_id)
             raise
-        request.holds_version = info is not None
+        request.holds_version = bool(held)
         request.tenant, request.priority = tags.tenant, tags.priority
         return request
 
+    @staticmethod
+    def _invocation_point(info: AdapterInfo, token_ids: list[int]) -> int:
+        """Where an aLoRA adapter's delta starts in a prompt: the start of the last occurrence of its invocation
+        tokens (PEFT's rule); ``RequestError`` on the prompt when they do not occur."""
+        tokens = info.alora_invocation_tokens or ()
+        for start in range(len(token_ids) - len(tokens), -1, -1):
+            if token_ids[start] == tokens[0] and token_ids[start:start + len(tokens)] == list(tokens):
+                return start
+        raise RequestError(f"adapter {info.name!r} is an activated LoRA: its prompt must contain its invocation "
+                           f"sequence (alora_invocation_tokens {list(tokens)[:16]}), which it does not", "prompt")
+
     def release(self, request: Request) -> None:
-        """Release the hold of a request that will never be queued."""
+        """Release the holds (and abandon the grammar compile) of a request that will never be queued."""
+        if request.grammar is not None:
+            request.grammar.abandon()
         if request.holds_version:
-            self.adapters.release_hold(request.version_id)
+            for version_id in request.members:
+                self.adapters.release_hold(version_id)
             request.holds_version = False
 
-    def _build(self, item: NewRequest, adapter: str | None) -> Request:
-        tokenizer, vocab_size = self.version(item.version_id)
+    def _build(self, item: NewRequest, adapter: str | None, tokenizer_of: int | None, tenant: str | None) -> Request:
+        tokenizer, vocab_size = self.version(tokenizer_of)
         params = item.params
         params.validate(vocab_size)
         if params.pooling is not None:
@@ -135,5 +170,6 @@ class RequestIntake:
         check_context_length(len(token_ids), params.max_tokens, self.max_model_len)
         generator = self._generator if params.seed is None else torch.Generator().manual_seed(params.torch_seed)
         request_id = item.request_id if item.request_id is not None else f"req-{next(self._ids)}"
-        grammar = self.grammars.state_for(params.structured_outputs, tokenizer, vocab_size)  # compiles off the loop
-        return Request(request_id, list(token_ids), params, adapter, item.version_id, generator, grammar=grammar)
+        grammar = self.grammars.state_for(params.structured_outputs, tokenizer, vocab_size, tenant)  # off the loop
+        return Request(request_id, list(token_ids), params, adapter, item.version_id, generator, grammar=grammar,
+                       plan=item.plan)

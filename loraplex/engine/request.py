@@ -17,20 +17,28 @@ from loraplex.errors import LoraplexError, RequestError
 if TYPE_CHECKING:
     from loraplex.engine.sampling.logits_processors import ProcessorState
     from loraplex.engine.sampling.structured.masks import GrammarState
+    from loraplex.engine.speculative.speculator import DraftState
 
-__all__ = ["NO_TAGS", "EngineOutput", "EngineTimes", "NewRequest", "Request", "RequestStatus", "RequestTags",
+__all__ = ["NO_TAGS", "EngineOutput", "EngineTimes", "NewRequest", "Plan", "Request", "RequestStatus", "RequestTags",
            "SamplingParams", "TokenLogprob", "check_context_length"]
+
+Plan = tuple[tuple[int, float], ...]  # a LoRA plan: (adapter version id, scale) per delta, in order
+KVOwner = int | Plan | None  # what a sequence's K/V is computed with besides its tokens (``scheduler/block_hash.py``)
 
 
 class NewRequest(NamedTuple):
     """One request as the engine core takes it: token ids, one choice (``params.n == 1``) and the adapter
-    version its frontend routed it to (None: the base model). Stop strings in ``params.stop`` are the
-    frontend's (``client/output.py``); the engine stops on token ids, EOS and lengths only."""
+    version its frontend routed it to (None: the base model). ``plan``, when given, is its LoRA plan instead:
+    ``((version_id, scale),)`` for one adapter at a scale (``version_id`` is then that version), or an adapter
+    mix of several entries (``version_id`` None), each version routed once by the frontend; every row of it
+    computes ``W x + sum_k scale_k * B_k A_k x``. Stop strings in ``params.stop`` are the frontend's
+    (``client/output.py``); the engine stops on token ids, EOS and lengths only."""
 
     request_id: str | None  # None: the engine names it ("req-N")
     prompt_token_ids: list[int]
     params: SamplingParams
     version_id: int | None = None
+    plan: Plan | None = None
 
 
 @dataclass(frozen=True)
@@ -83,7 +91,7 @@ class RequestStatus(enum.Enum):
 @dataclass(eq=False)
 class Request:
     """Engine-side state of one request: ``version_id`` is the adapter version it holds (``adapter`` is that
-    version's name, for the per-adapter counters)."""
+    version's name, for the per-adapter counters); with a ``plan`` (``NewRequest``) it holds every member."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -108,12 +116,35 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token so far, when asked
     processor_state: ProcessorState | None = None  # the logits processors' tensors, built on first use
     grammar: GrammarState | None = None  # its structured-output constraint (params.structured_outputs)
+    draft_state: DraftState | None = None  # its speculative drafting state, built on its first draft
     num_emitted: int = 0  # output tokens already handed out in an ``EngineOutput``
     prompt_logprobs_sent: bool = False
     arrival_time: float = 0.0  # EngineTimes' instants, set by the scheduler
     scheduled_time: float | None = None
     first_token_time: float | None = None
     prefix_cached_tokens: int = 0
+    plan: Plan | None = None  # its LoRA plan when it is not ``version_id`` at scale 1 (``NewRequest.plan``)
+    alora_start: int | None = None  # an aLoRA adapter's invocation point: positions before it use the base weights
+
+    def base_blocks(self, block_size: int) -> int:
+        """How many leading KV blocks hold base-model K/V only (every position before the aLoRA invocation point):
+        they key and are shared as the base model's (``block_hash``); 0 without an aLoRA adapter."""
+        return 0 if self.alora_start is None else self.alora_start // block_size
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Every adapter version it reads, in plan order: each is held for its life and pinned while it runs."""
+        if self.plan is not None:
+            return tuple(v for v, _ in self.plan)
+        return () if self.version_id is None else (self.version_id,)
+
+    @property
+    def kv_owner(self) -> KVOwner:
+        """What its K/V is computed with (``block_hash``): its version for one adapter at scale 1 (or the base
+        model's None), else the whole plan."""
+        if self.plan is None or self.plan == ((self.version_id, 1.0),):
+            return self.version_id
+        return self.plan
     pool: PoolState | None = None  # a pooling request's pool so far (``engine/pooling/pooler.py``)
 
     def __post_init__(self) -> None:

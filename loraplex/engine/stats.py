@@ -16,6 +16,7 @@ from loraplex.adapters.manager import AdapterManager
 from loraplex.config import EngineConfig
 from loraplex.engine.scheduler.block_manager import BlockManager, PrefixCounts
 from loraplex.engine.scheduler.scheduler import Scheduler
+from loraplex.engine.speculative.speculator import DraftCounts
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,12 @@ class EngineStats:
     requests_by_adapter: Mapping[str | None, tuple[int, int]] = field(default_factory=dict)
     step_failures: int = 0  # steps that raised: their requests failed, every other request kept running
     adapters_pinned: int = 0  # adapter names an operator pinned (each keeps a slot)
+    # Speculative decoding (zero when off): verification steps that carried a draft, draft tokens proposed and
+    # accepted, and (draft tokens, accepted tokens) per live adapter name (None = the base model).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_by_adapter: Mapping[str | None, tuple[int, int]] = field(default_factory=dict)
 
 
 def collect_stats(config: EngineConfig, scheduler: Scheduler, blocks: BlockManager,
@@ -59,6 +66,10 @@ def collect_stats(config: EngineConfig, scheduler: Scheduler, blocks: BlockManag
         for request in list(queue):
             if request.adapter in live:
                 in_flight.setdefault(request.adapter, [0, 0])[column] += 1
+    spec = scheduler.speculator
+    totals = spec.totals if spec is not None else DraftCounts()
+    drafts = {names[v]: (c.draft_tokens, c.accepted_tokens)
+              for v, c in (spec.counts() if spec is not None else {}).items() if v in names}
     return EngineStats(
         num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),
         slots_in_use=c["slots_in_use"], slots_pinned=c["slots_pinned"], max_loras=config.max_loras,
@@ -70,4 +81,6 @@ def collect_stats(config: EngineConfig, scheduler: Scheduler, blocks: BlockManag
         prefix_cache_blocks=blocks.num_cached, prefix_cache_evictions=blocks.evictions,
         prefix_cache_by_adapter={names[v]: counts for v, counts in by_version.items() if v in names},
         requests_by_adapter={name: (running, waiting) for name, (running, waiting) in in_flight.items()},
-        step_failures=step_failures, adapters_pinned=c["adapters_pinned"])
+        step_failures=step_failures, adapters_pinned=c["adapters_pinned"],
+        spec_decode_num_drafts=totals.drafts, spec_decode_num_draft_tokens=totals.draft_tokens,
+        spec_decode_num_accepted_tokens=totals.accepted_tokens, spec_decode_by_adapter=drafts)

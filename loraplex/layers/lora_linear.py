@@ -39,6 +39,7 @@ from loraplex.ops.lora import Blocks, LoRACache, add_lora
 from loraplex.ops.lora_batch import SEGMENTS, LoRABatch
 from loraplex.ops.lora_sgmv import add_lora_sgmv
 from loraplex.ops.lora_step_buffers import LoRAStepBuffers
+from loraplex.ops.quantized_weight import QuantizedWeight
 
 
 class LoRALinear(nn.Module):
@@ -94,9 +95,14 @@ class LoRALinear(nn.Module):
                              if bias else None, persistent=False)  # [max_loras + 1, sum(out)]
         self.dora_slots: set[int] = set()  # slots whose adapter is DoRA in this layer
         # oneDNN-packed copy of ``weight`` once ``pack_dense()`` ran, or its int8 form once ``quantize_int8()``
-        # ran; ``weight`` is then None
+        # ran (or GGUF blocks after ``use_quantized_weight``); ``weight`` is then None
         self.packed_weight: torch.Tensor | None = None
-        self.int8_weight: Int8Weight | None = None
+        self.int8_weight: QuantizedWeight | None = None
+
+    def use_quantized_weight(self, weight: QuantizedWeight) -> None:
+        """Serve the base weight from ``weight`` (``[sum(out), in]``, e.g. GGUF blocks) and drop the float copy."""
+        self.int8_weight = weight
+        self.weight, self.packed_weight = None, None
 
     def quantize_int8(self) -> None:
         """Replace the base weight by its weight-only int8 form (``loraplex.ops.int8``); LoRA slots stay

@@ -42,6 +42,7 @@ from loraplex.models.slot_writer import AdapterModules, write_adapter_slot
 from loraplex.ops.dense import dense_linear, pack_weight
 from loraplex.ops.int8 import Int8Weight
 from loraplex.ops.lora_batch import LoRABatch
+from loraplex.ops.quantized_weight import QuantizedWeight
 
 
 class CausalLM(nn.Module):
@@ -72,9 +73,9 @@ class CausalLM(nn.Module):
         if self.lm_head is not None:
             self.lm_head.weight.requires_grad_(False)
         # oneDNN-packed lm_head once ``pack_dense()`` ran, or its int8 form once ``quantize_int8()`` ran; the
-        # plain one stays (tied: the embedding reads it)
+        # plain one stays (tied: the embedding reads it); GGUF models set their lm_head's blocks here
         self.lm_head_packed: torch.Tensor | None = None
-        self.lm_head_int8: Int8Weight | None = None
+        self.lm_head_int8: QuantizedWeight | None = None
         self.lm_head_slots = LMHeadSlots(max_loras)  # per-slot lm_head adapter parts
 
     def make_layer(self, index: int) -> nn.Module:

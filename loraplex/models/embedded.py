@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from loraplex.errors import ModelError
+from loraplex.models.gguf.source import find_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +31,11 @@ def loraplex_home() -> Path:
 
 
 def resolve_model(model: str) -> Path:
-    """A local HF folder (``config.json`` + ``*.safetensors``) as is, or the embedded default's name."""
+    """A local HF folder (``config.json`` + ``*.safetensors``) as is, a GGUF model (a ``*.gguf`` file or a
+    folder holding one: the file is returned), or the embedded default's name."""
     path = Path(model).expanduser()
+    if (gguf := find_gguf(path)) is not None:
+        return gguf
     if path.is_dir():
         if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
             raise ModelError(f"{path}: a model folder needs config.json and *.safetensors files")
@@ -39,8 +43,8 @@ def resolve_model(model: str) -> Path:
     if model.lower() == EMBEDDED_MODEL:
         return embedded_checkpoint()
     raise ModelError(
-        f"model {model!r} is neither a local folder with config.json + *.safetensors "
-        f"nor the embedded default {EMBEDDED_MODEL!r} (weights are never downloaded at run time)"
+        f"model {model!r} is neither a local folder with config.json + *.safetensors, a GGUF file (or a "
+        f"folder holding one), nor the embedded default {EMBEDDED_MODEL!r} (weights are never downloaded at run time)"
     )
 
 

@@ -9,11 +9,13 @@ _CHUNK = 1 << 20
 
 
 def checkpoint_fingerprint(folder: Path) -> str:
-    """SHA-256 (hex) over ``config.json`` and every ``*.safetensors`` file of ``folder``, each preceded by its
-    name and size, in name order: the same bytes give the same fingerprint on any host. Reads every
-    weight byte once (about a second per GB); callers compute it once, off the event loop."""
+    """SHA-256 (hex) over ``config.json`` and every ``*.safetensors`` file of ``folder`` (a GGUF model's path
+    is its one file), each preceded by its name and size, in name order: the same bytes give the same
+    fingerprint on any host. Reads every weight byte once (about a second per GB); callers compute it once,
+    off the event loop."""
     digest = hashlib.sha256()
-    for path in [folder / "config.json", *sorted(folder.glob("*.safetensors"))]:
+    files = [folder] if folder.is_file() else [folder / "config.json", *sorted(folder.glob("*.safetensors"))]
+    for path in files:
         if not path.is_file():
             continue
         digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())

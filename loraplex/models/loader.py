@@ -1,4 +1,4 @@
-"""Build a model from an HF safetensors checkpoint folder.
+"""Build a model from an HF safetensors checkpoint folder (or a GGUF file: ``loraplex.models.gguf.loader``).
 
 Reads every ``*.safetensors`` file in the folder (one file or shards; tensor names with or without
 the ``model.`` prefix), copies each tensor straight into the model's preallocated parameters
@@ -21,6 +21,7 @@ from loraplex.config import ModelConfig
 from loraplex.errors import ModelError
 from loraplex.layers.lora_linear import LoRALinear
 from loraplex.models.base import CausalLM
+from loraplex.models.gguf.source import find_gguf
 from loraplex.models.registry import model_class
 from loraplex.models.registry import model_config as family_config
 
@@ -79,6 +80,10 @@ def load_model(
     """Build the model for ``model_config`` (read from ``folder`` by its family when None) and fill its
     weights. A checkpoint tensor the model has no place for is an error (it would be silently ignored)."""
     folder = Path(folder)
+    if (gguf := find_gguf(folder)) is not None:
+        from loraplex.models.gguf.loader import load_gguf_model
+
+        return load_gguf_model(gguf, model_config, max_loras, max_lora_rank, dtype, device)
     cfg = model_config if model_config is not None else family_config(folder)
     cls = model_class(cfg.architecture)
     if not isinstance(cfg, cls.config_class):

@@ -13,6 +13,7 @@ from typing import Any
 from loraplex.config import ModelConfig, read_hf_config
 from loraplex.errors import ModelError
 from loraplex.models.base import CausalLM
+from loraplex.models.gguf.source import find_gguf
 
 # name -> "module:ClassName"; SmolLM2 checkpoints declare LlamaForCausalLM.
 _ARCHITECTURES: dict[str, str] = {
@@ -46,8 +47,13 @@ def model_class(architecture: str) -> type[CausalLM]:
 
 
 def model_config(source: str | Path | Mapping[str, Any]) -> ModelConfig:
-    """``config.json`` (a dict, a file or a folder holding one) normalised by its family's config class;
+    """``config.json`` (a dict, a file or a folder holding one; or a GGUF model's metadata) normalised by its
+    family's config class;
     ``ModelError`` for an unsupported architecture."""
+    if not isinstance(source, Mapping) and (gguf := find_gguf(source)) is not None:
+        from loraplex.models.gguf.metadata import hf_config
+
+        source = hf_config(gguf)
     raw = read_hf_config(source)
     architecture = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
     return model_class(architecture).config_class.from_hf(raw)

@@ -13,12 +13,14 @@ logprob token texts.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 
 from loraplex.adapters.info import AdapterInfo
+from loraplex.client.adapter_mix import mixed, scaled
 from loraplex.client.base import EngineClient
 from loraplex.client.directory import Version
 from loraplex.errors import RequestError, UnknownAdapter
@@ -75,6 +77,27 @@ class ServerContext:
                     pass
         self.metrics.observe_request(adapter, "rejected", None, None, None, tenant=key.tenant)
         raise model_not_found(model)
+
+    async def route_body(self, request: Request, model: str, lora_scale: float | None,
+                         mix: Sequence[tuple[str, float]] | None) -> Version:
+        """``route``, with the body's per-request LoRA plan (``client/adapter_mix.py``): ``model``'s adapter at
+        ``lora_scale``, or with ``model`` the base model's name, the ``mix`` of adapters (each name routed once,
+        and a 404 naming ``adapter_mix`` for one the caller may not use or that is not loaded)."""
+        if mix is None:
+            return scaled(await self.route(request, model), lora_scale)
+        if self.adapter_for(model) is not None:
+            raise RequestError("adapter_mix blends adapters over the base model: set model to the base model's "
+                               f"name, not {model!r}", "adapter_mix")
+        if lora_scale is not None:
+            raise RequestError("lora_scale scales the adapter named as the model; with adapter_mix give each entry "
+                               "its scale", "lora_scale")
+        versions = []
+        for name, _ in mix:
+            try:
+                versions.append(await self.route(request, name))
+            except ServerError as exc:
+                raise ServerError(exc.status, f"adapter_mix: {exc}", "adapter_mix") from exc
+        return mixed(versions, [scale for _, scale in mix])
 
     def current(self, request: Request, model: str) -> Version:
         """``model``'s current version, not routed (``/tokenize``, ``/detokenize``); 404 for a model the caller

@@ -52,6 +52,10 @@ _STAT_COUNTERS = {
                                 "Tokens of admitted requests whose K/V came from the prefix cache."),
     "prefix_cache_evictions": ("loraplex_prefix_cache_evictions", "Cached KV blocks evicted to make room."),
     "step_failures": ("loraplex_engine_step_failures", "Engine steps that raised (only their requests failed)."),
+    "spec_decode_num_drafts": ("vllm:spec_decode_num_drafts", "Speculative decoding: verifications of a draft."),
+    "spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens."),
+    "spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",
+                                        "Speculative decoding: draft tokens accepted."),
 }
 # Per adapter (label values bounded by the loaded adapters): PrefixCounts field -> (metric name, help).
 _PREFIX_BY_ADAPTER = {
@@ -88,6 +92,27 @@ class EngineStatsCollector(Collector):
                 family.add_metric([adapter or BASE_LABEL], getattr(counts, field))
             yield family
         yield from _requests_by_adapter(stats)
+        yield from _spec_decode_by_adapter(stats)
+
+
+def _spec_decode_by_adapter(stats: Any) -> Iterator[Metric]:
+    """Draft tokens, accepted draft tokens and their ratio (the acceptance rate) per loaded adapter."""
+    drafted = CounterMetricFamily("loraplex_adapter_spec_decode_draft_tokens",
+                                  "Speculative decoding: draft tokens, by adapter.", labels=["adapter"])
+    accepted = CounterMetricFamily("loraplex_adapter_spec_decode_accepted_tokens",
+                                   "Speculative decoding: draft tokens accepted, by adapter.", labels=["adapter"])
+    rate = GaugeMetricFamily("loraplex_adapter_spec_decode_acceptance_rate",
+                             "Speculative decoding: accepted / draft tokens since start, by adapter.",
+                             labels=["adapter"])
+    by_adapter = sorted(stats.spec_decode_by_adapter.items(), key=lambda kv: kv[0] or "")
+    for adapter, (num_drafted, num_accepted) in by_adapter:
+        label = [adapter or BASE_LABEL]
+        drafted.add_metric(label, num_drafted)
+        accepted.add_metric(label, num_accepted)
+        rate.add_metric(label, num_accepted / num_drafted if num_drafted else 0.0)
+    yield drafted
+    yield accepted
+    yield rate
 
 
 def _router_gauges(stats: Any) -> Iterator[Metric]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import openai
 import pytest
 from agents import (
     Agent,
@@ -25,11 +24,6 @@ from openai import AsyncOpenAI
 from pydantic import BaseModel
 
 from tests.clients.conftest import ADAPTER, Served
-
-# OpenAI accepts a forced tool call together with a response format (the call comes first; the format shapes
-# the final answer, once the SDK resets tool_choice): loraplex answers 400 (server/openai/protocol.py).
-REQUIRED_WITH_FORMAT = ("loraplex refuses tool_choice 'required' with a structured-output field "
-                        "('constrains the output already'); OpenAI accepts it, the Agents SDK sends it")
 
 
 class Answer(BaseModel):
@@ -62,7 +56,6 @@ def test_chat_completions_tool_loop_finishes(served: Served) -> None:
     assert isinstance(run_loop(served, OpenAIChatCompletionsModel, None), str)
 
 
-@pytest.mark.xfail(reason=REQUIRED_WITH_FORMAT, raises=openai.BadRequestError, strict=True)
 @pytest.mark.parametrize("model_class", [OpenAIResponsesModel, OpenAIChatCompletionsModel])
 def test_tool_loop_with_a_structured_answer_finishes(served: Served, model_class: type) -> None:
     assert isinstance(run_loop(served, model_class, Answer), Answer)

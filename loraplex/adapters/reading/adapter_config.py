@@ -27,7 +27,7 @@ from loraplex.adapters.reading.weights import VOCAB_MODULES
 from loraplex.errors import InvalidAdapter, UnsupportedAdapter
 
 # PEFT options that change the forward pass beyond what loraplex serves: refused when set.
-_UNSUPPORTED_FEATURES = ("layer_replication", "alora_invocation_tokens", "use_qalora",
+_UNSUPPORTED_FEATURES = ("layer_replication", "use_qalora",
                          "use_bdlora", "arrow_config", "velora_config", "kasa_config", "monteclora_config")
 _RE2 = re2.Options()
 _RE2.log_errors = False
@@ -55,6 +55,8 @@ class AdapterConfig:
     trainable_tokens_per_module: bool = False  # PEFT's dict form (else a list: the input embedding's)
     ensure_weight_tying: bool = False
     target_parameters: tuple[str, ...] = ()  # PEFT's parameter names (checked against the model by the reader)
+    # aLoRA (PEFT's activated LoRA): the delta applies from the last occurrence of these token ids in a prompt on
+    alora_invocation_tokens: tuple[int, ...] | None = None
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], folder: str) -> AdapterConfig:
@@ -90,6 +92,7 @@ class AdapterConfig:
             trainable_tokens_per_module=isinstance(tokens, dict),
             ensure_weight_tying=bool(raw.get("ensure_weight_tying", False)),
             target_parameters=_parameter_names(raw.get("target_parameters"), folder),
+            alora_invocation_tokens=_invocation_tokens(raw.get("alora_invocation_tokens"), folder),
         )
 
     def rank_for(self, module: str) -> int:
@@ -121,6 +124,20 @@ class AdapterConfig:
         if self.exclude_modules is not None and _matches(self.exclude_modules, module):
             return False
         return self.target_modules not in (None, "all-linear") and _matches(self.target_modules, module)
+
+
+MAX_INVOCATION_TOKENS = 1024
+
+
+def _invocation_tokens(value: Any, folder: str) -> tuple[int, ...] | None:
+    """aLoRA's ``alora_invocation_tokens``: None (a plain LoRA), or a non-empty list of token ids."""
+    if value is None:
+        return None
+    if (not isinstance(value, list) or not 0 < len(value) <= MAX_INVOCATION_TOKENS
+            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value)):
+        raise InvalidAdapter(f"{folder}: alora_invocation_tokens={_SHOWN.repr(value)} must be a list of 1 to "
+                             f"{MAX_INVOCATION_TOKENS} token ids")
+    return tuple(value)
 
 
 def _modules_to_save(value: Any, folder: str) -> tuple[str, ...]:

@@ -127,6 +127,10 @@ def _read(source: str, raw: dict, config: AdapterConfig, weight_file: WeightFile
         raise InvalidAdapter(f"{source}: the adapter applies to zero modules (no LoRA tensors); "
                              "refusing to serve it as the base model")
     _check_bounds(source, modules, magnitudes, names, vocab)
+    if config.alora_invocation_tokens is not None and (vocab or magnitudes or any(a.dim() != 2 for a, _ in
+                                                                                modules.values())):
+        raise UnsupportedAdapter(f"{source}: an aLoRA adapter (alora_invocation_tokens) is served on block projections "
+                                 "only: not with embed_tokens / lm_head changes, DoRA or MoE experts")
     ranks = [a.shape[-2] for a, _ in modules.values()] + [v.lora[0].shape[0] for v in vocab.values() if v.lora]
     return AdapterWeights(
         path=source,

@@ -73,6 +73,12 @@ class AdapterWeights:
         return bool(self.magnitudes) or any(v.magnitude is not None for v in self.vocab.values())
 
     @property
+    def scalable(self) -> bool:
+        """Whether a per-request scale or mix can weight its whole delta: LoRA on block projections only (the
+        vocabulary modules, DoRA and stacked experts read a step's first LoRA pass unscaled: ``LoRABatch``)."""
+        return not self.vocab and not self.uses_dora and all(a.dim() == 2 for a, _ in self.modules.values())
+
+    @property
     def prepared(self) -> bool:
         """Whether every DoRA magnitude has its folded scale (``CausalLM.prepare`` ran)."""
         return (set(self.dora_scales) == set(self.magnitudes)

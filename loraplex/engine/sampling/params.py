@@ -57,6 +57,8 @@ class SamplingParams:
       before everything above; for such a request ``logprobs`` are those of the constrained distribution
       (the raw logits with the disallowed tokens at -inf). It cannot be combined with ``ignore_eos`` or
       ``min_tokens`` (the grammar decides where the output ends).
+    - ``speculative_decoding``: False opts this request out of the engine's speculative decoding (when the
+      engine has a ``speculative_config``; it never changes a greedy output, only how fast it comes).
     - ``pooling``: the request returns one vector pooled from its prompt's final hidden states
       (``PoolingParams``: an embedding) instead of tokens; it needs ``max_tokens == 0`` and no logprobs,
       choices or structured outputs.
@@ -80,6 +82,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     structured_outputs: StructuredOutputsParams | None = None
+    speculative_decoding: bool = True
     pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
@@ -157,6 +160,9 @@ class SamplingParams:
                                "repetition_penalty")
         if not _integer(self.min_tokens) or self.min_tokens < 0:
             raise RequestError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}", "min_tokens")
+        if not isinstance(self.speculative_decoding, bool):
+            raise RequestError(f"speculative_decoding must be a boolean, got {self.speculative_decoding!r}",
+                               "speculative_decoding")
         self._validate_token_ids(vocab_size)
         self._validate_structured()
         self._validate_pooling()

@@ -75,6 +75,12 @@ def sample(logits: torch.Tensor, rows: Sequence[SampledRow], eos_token_ids: Coll
 
 def _draw(logits: torch.Tensor, rows: Sequence[SampledRow]) -> torch.Tensor:
     """One token per row of ``logits [R, vocab]`` from its warped distribution -> ``[R]`` int64."""
+    return inverse_cdf(warped_probs(logits, rows), rows)
+
+
+def warped_probs(logits: torch.Tensor, rows: Sequence[SampledRow]) -> torch.Tensor:
+    """Each row's sampling distribution, not normalised: ``logits [R, vocab]`` -> ``[R, vocab]`` (softmax of
+    ``logits / T`` restricted to top-k, then top-p, then min-p, as ``sample`` documents; modifies nothing)."""
     # Shifted by the max, the temperature floored at 1e-30: any temperature > 0 (even 1e-300) sends the
     # others to -inf, never the max to inf or NaN.
     temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype).clamp_min(1e-30)
@@ -94,7 +100,7 @@ def _draw(logits: torch.Tensor, rows: Sequence[SampledRow]) -> torch.Tensor:
         floor = torch.tensor([rows[i].params.min_p for i in min_p], dtype=probs.dtype)[:, None]
         sub = probs[min_p]
         probs[min_p] = sub.masked_fill(sub < floor * sub.max(dim=-1, keepdim=True).values, 0.0)
-    return _inverse_cdf(probs, rows)
+    return probs
 
 
 _NUCLEUS_CANDIDATES = 1024  # the nucleus is searched among the top candidates when their mass reaches top_p
@@ -119,7 +125,7 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _inverse_cdf(probs: torch.Tensor, rows: Sequence[SampledRow]) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, rows: Sequence[SampledRow]) -> torch.Tensor:
     """One draw per row of ``probs [R, vocab]`` (rows need not be normalised) by inverting its CDF at a
     uniform draw: one ``rand`` call for the rows sharing a generator, one per row with its own."""
     u = torch.empty(len(rows), dtype=torch.float64)

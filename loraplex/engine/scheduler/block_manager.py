@@ -13,13 +13,16 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from loraplex.engine.request import KVOwner
+from loraplex.engine.scheduler.block_hash import owner_members
+
 
 @dataclass(frozen=True)
 class PrefixMatch:
     """What ``BlockManager.match`` found for one sequence: the cached blocks of its longest keyed prefix."""
 
     blocks: tuple[int, ...]  # block_table[:len(blocks)] for the sequence, already computed
-    version_id: int | None  # the version the keys were made with
+    version_id: KVOwner  # the owner (version, or LoRA plan) the keys were made with
     queried_tokens: int  # the sequence's tokens when it looked (for the hit-rate counters)
     hit_tokens: int  # len(blocks) * block_size
 
@@ -61,12 +64,12 @@ class BlockManager:
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced keyed blocks, LRU first
         self._refs = [0] * num_blocks
         self._keys: list[bytes | None] = [None] * num_blocks
-        self._versions: list[int | None] = [None] * num_blocks  # version of the sequence that wrote it
+        self._versions: list[KVOwner] = [None] * num_blocks  # owner (version or plan) of the sequence that wrote it
         self._index: dict[bytes, int] = {}  # key -> the block holding that content
         self._pending: dict[int, None] = {}  # blocks keyed in the running step
         self.evictions = 0
         self.totals = PrefixCounts()
-        self._by_version: dict[int | None, PrefixCounts] = {}
+        self._by_version: dict[KVOwner, PrefixCounts] = {}
 
     @property
     def num_free(self) -> int:
@@ -83,10 +86,10 @@ class BlockManager:
     def key_of(self, block: int) -> bytes | None:
         return self._keys[block]
 
-    def version_of(self, block: int) -> int | None:
+    def version_of(self, block: int) -> KVOwner:
         return self._versions[block]
 
-    def match(self, keys: Sequence[bytes], version_id: int | None, num_tokens: int) -> PrefixMatch:
+    def match(self, keys: Sequence[bytes], version_id: KVOwner, num_tokens: int) -> PrefixMatch:
         """The blocks of the longest prefix of ``keys`` (a sequence's chain, made with ``version_id``)
         that are in the index, referenced or cached. Changes nothing."""
         blocks: list[int] = []
@@ -103,10 +106,13 @@ class BlockManager:
         reused = sum(1 for b in prefix.blocks if self._refs[b] == 0) if prefix else 0
         return 0 <= n and n + reused <= self.num_free
 
-    def allocate(self, n: int, version_id: int | None, prefix: PrefixMatch | None = None) -> list[int]:
+    def allocate(self, n: int, version_id: KVOwner, prefix: PrefixMatch | None = None, first: int = 0,
+                 base_blocks: int = 0) -> list[int]:
         """A block table: ``prefix``'s blocks (one more reference each) then ``n`` fresh blocks written by
         a sequence of ``version_id``, evicting cached blocks when no free one is left. Counts the lookup.
-        Raises ``RuntimeError`` if ``can_allocate(n, prefix)`` is false."""
+        The fresh blocks sit at the sequence's block indices from ``first`` + the prefix's length on; those
+        below ``base_blocks`` are written as the base model's (an aLoRA sequence's blocks before its
+        invocation point). Raises ``RuntimeError`` if ``can_allocate(n, prefix)`` is false."""
         if not self.can_allocate(n, prefix):
             raise RuntimeError(f"cannot allocate {n} KV blocks: {self.num_free} of {self.num_total} free")
         if prefix is not None and prefix.version_id != version_id:
@@ -117,9 +123,9 @@ class BlockManager:
                 del self._cached[b]
             self._refs[b] += 1
         fresh = [self._free.pop() if self._free else self._evict() for _ in range(n)]
-        for b in fresh:
+        for k, b in enumerate(fresh):
             self._refs[b] = 1
-            self._versions[b] = version_id
+            self._versions[b] = None if first + len(shared) + k < base_blocks else version_id
         if prefix is not None and self.caching:
             for c in (self.totals, self._by_version.setdefault(version_id, PrefixCounts())):
                 c.queried_tokens += prefix.queried_tokens
@@ -174,27 +180,31 @@ class BlockManager:
                 self._free.append(b)
 
     def retire(self, version_id: int) -> None:
-        """``version_id`` was dropped (unloaded or retired, and no sequence of it is left): its cached blocks are
-        freed now (their keys hold the version, so nothing else could match them) and its lookup counters
-        dropped. Raises ``ValueError`` (changing nothing) if a block of it is still referenced."""
-        if any(self._refs[b] and self._versions[b] == version_id for b in range(self.num_total)):
+        """``version_id`` was dropped (unloaded or retired, and no sequence of it is left): its cached blocks, and
+        those of every plan it is a member of, are freed now (their keys hold it, so nothing else could match
+        them) and their lookup counters dropped. Raises ``ValueError`` (changing nothing) if a block of it is
+        still referenced."""
+        if any(self._refs[b] and version_id in owner_members(self._versions[b]) for b in range(self.num_total)):
             raise ValueError(f"adapter version {version_id} still has referenced KV blocks: it cannot be retired")
-        for b in [b for b in self._cached if self._versions[b] == version_id]:
+        for b in [b for b in self._cached if version_id in owner_members(self._versions[b])]:
             del self._cached[b]
             self._pending.pop(b, None)
             self._unkey(b)
             self._free.append(b)
-        self._by_version.pop(version_id, None)
+        for owner in [o for o in self._by_version if version_id in owner_members(o)]:
+            del self._by_version[owner]
 
-    def counts_by_version(self) -> dict[int | None, PrefixCounts]:
-        """Lookup counters per adapter version (None = base) not retired; a copy."""
+    def counts_by_version(self) -> dict[KVOwner, PrefixCounts]:
+        """Lookup counters per owner (an adapter version, None = base, or a plan) not retired; a copy."""
         return {v: PrefixCounts(c.queried_tokens, c.hit_tokens) for v, c in self._by_version.copy().items()}
 
-    def check_sequence(self, block_table: Sequence[int], keys: Sequence[bytes], version_id: int | None) -> None:
+    def check_sequence(self, block_table: Sequence[int], keys: Sequence[bytes], version_id: KVOwner,
+                       base_blocks: int = 0) -> None:
         """Debug check: every block of a sequence of ``version_id`` (chain ``keys``) is referenced, was
-        written under that version, and if keyed, holds the key of its place in the chain."""
+        written under that version (its first ``base_blocks`` under the base model's), and if keyed, holds
+        the key of its place in the chain."""
         for i, b in enumerate(block_table):
-            if self._refs[b] < 1 or self._versions[b] != version_id:
+            if self._refs[b] < 1 or self._versions[b] != (None if i < base_blocks else version_id):
                 raise AssertionError(f"block {i} (#{b}) of a sequence of adapter version {version_id} holds K/V of "
                                      f"version {self._versions[b]} (references {self._refs[b]})")
             if self._keys[b] is not None and i < len(keys) and self._keys[b] != keys[i]:

@@ -44,17 +44,20 @@ from dataclasses import dataclass
 
 from loraplex.adapters.manager import AdapterManager
 from loraplex.config import EngineConfig
-from loraplex.engine.request import Request, RequestStatus
+from loraplex.engine.request import Plan, Request, RequestStatus
 from loraplex.engine.scheduler.block_hash import extend_chain
 from loraplex.engine.scheduler.block_manager import BlockManager
 from loraplex.engine.scheduler.fair_share import FairShare
+from loraplex.engine.speculative.speculator import Speculator
+from loraplex.ops.lora_batch import BatchMapping
 
 
 @dataclass(frozen=True)
 class ScheduledRequest:
     request: Request
     start: int  # first token position computed this step
-    num_tokens: int  # tokens computed this step
+    num_tokens: int  # tokens computed this step (of the request's own; a draft's come after them)
+    draft: tuple[int, ...] = ()  # draft tokens verified after its next token (speculative decoding)
 
     @property
     def prompt_complete(self) -> bool:
@@ -66,6 +69,23 @@ class ScheduledRequest:
         """Whether a token is drawn for it this step (prefill complete and ``max_tokens > 0``; a request
         with ``max_tokens == 0`` only computes its prompt, e.g. to score it)."""
         return self.prompt_complete and self.request.params.max_tokens > 0
+
+
+def step_mapping(batch: Sequence[ScheduledRequest]) -> BatchMapping:
+    """What each token of the step asks for, in batch order (a row's draft tokens included): its request's version
+    or LoRA plan, except an aLoRA request's positions before its invocation point (``Request.alora_start``), which
+    read the base weights."""
+    seqs: list[tuple[int | None, int]] = []
+    plans: list[Plan | None] = []
+    for s in batch:
+        request, num_tokens = s.request, s.num_tokens + len(s.draft)  # a draft runs under the row's adapter
+        before = 0 if request.alora_start is None else max(0, min(request.alora_start - s.start, num_tokens))
+        if before:
+            seqs.append((None, before))
+            plans.append(None)
+        seqs.append((request.version_id, num_tokens - before))
+        plans.append(request.plan)
+    return BatchMapping.from_sequences(seqs, plans)
 
 
 class Scheduler:
@@ -88,6 +108,8 @@ class Scheduler:
         self.step_count = 0
         self.num_preemptions = 0
         self.fair_share = FairShare()
+        spec = config.speculative_config
+        self.speculator = Speculator(spec) if spec is not None else None
         adapters.read_ahead(())  # a scheduler drives reads from now on: none until a queue wants one
 
     def add(self, request: Request) -> None:
@@ -105,18 +127,20 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preemptions_before = self.num_preemptions
         chunk_cap = self._chunk_cap()
+        drafting = self.speculator is not None and self.speculator.active(len(self.running))
         for request in self._running_order():
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(request.num_tokens - request.num_computed_tokens, budget, chunk_cap)
             if n <= 0:
                 continue
-            if not self._grow(request, n, scheduled):
+            draft = self._draft(request, n, budget) if drafting else ()
+            if not self._grow(request, n + len(draft), scheduled):
                 continue
-            self._key_filled_blocks(request, request.num_computed_tokens, n)
-            self.fair_share.charge_tokens(request, request.num_computed_tokens, n)
-            scheduled.append(ScheduledRequest(request, request.num_computed_tokens, n))
-            budget -= n
+            self._key_filled_blocks(request, request.num_computed_tokens, n)  # a draft's blocks wait for update
+            self.fair_share.charge_tokens(request, request.num_computed_tokens, n + len(draft))
+            scheduled.append(ScheduledRequest(request, request.num_computed_tokens, n, draft))
+            budget -= n + len(draft)
         if self.num_preemptions == preemptions_before:  # admitting now would only thrash the cache
             scheduled += self._admit(budget)
         return scheduled
@@ -145,7 +169,7 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs or budget <= 0:
                 break
             eligible = self._chain(request)[: self._reusable_tokens(request) // self.config.block_size]
-            prefix = self.allocator.match(eligible, request.version_id, request.num_tokens)
+            prefix = self.allocator.match(eligible, request.kv_owner, request.num_tokens)
             start = prefix.hit_tokens
             n = min(request.num_tokens - start, budget)
             blocks = self._blocks_for(start + n) - len(prefix.blocks)
@@ -153,16 +177,12 @@ class Scheduler:
                 break  # the cache is full for everyone behind it too
             if blocked and not self._rides_along(request):
                 continue
-            if request.version_id is not None and not request.pinned:
-                # One locked ask-and-do: a concurrent load cannot slip between the two.
-                resident = self.adapters.resident(request.version_id)
-                if self.adapters.try_acquire(request.version_id) is None:
+            if request.members and not request.pinned:
+                if not self._acquire_members(request):
                     blocked = blocked or strict
                     continue
-                request.pinned = True
-                if not resident:
-                    self.fair_share.charge_swap(request)
-            request.block_table = self.allocator.allocate(blocks, request.version_id, prefix)
+            request.block_table = self.allocator.allocate(blocks, request.kv_owner, prefix,
+                                                          base_blocks=request.base_blocks(self.config.block_size))
             request.num_computed_tokens = start
             self._key_filled_blocks(request, start, n)
             self.fair_share.charge_tokens(request, start, n)
@@ -174,9 +194,26 @@ class Scheduler:
             admitted.append(ScheduledRequest(request, start, n))
             budget -= n
         # the next pass's order (iterating it charges nothing): its cold adapters are read in the background now
-        wanted = (r.version_id for r in self._waiting_order() if r.version_id is not None and not r.pinned)
+        wanted = (v for r in self._waiting_order() if not r.pinned for v in r.members)
         self.adapters.read_ahead(wanted)
         return admitted
+
+    def _acquire_members(self, request: Request) -> bool:
+        """Pin every adapter version ``request`` reads (each takes a slot), or none: a mix whose members do not all
+        fit in a slot now gives back the ones it took and waits (it never runs with a member missing)."""
+        taken: list[int] = []
+        for version_id in request.members:
+            # One locked ask-and-do per member: a concurrent load cannot slip between the two.
+            resident = self.adapters.resident(version_id)
+            if self.adapters.try_acquire(version_id) is None:
+                for held in taken:
+                    self.adapters.release(held)
+                return False
+            taken.append(version_id)
+            if not resident:
+                self.fair_share.charge_swap(request)
+        request.pinned = True
+        return True
 
     def _waiting_order(self) -> Iterable[Request]:
         """The waiting requests in admission order: fair share's (lazy: charges made while iterating count),
@@ -198,18 +235,21 @@ class Scheduler:
 
     def _rides_along(self, request: Request) -> bool:
         """Whether ``request`` may go ahead of a starving one without delaying it: it needs no adapter, or
-        its adapter is pinned by running requests and it will not outlast them (the slot frees no later)."""
-        if request.version_id is None:
-            return True
-        horizon = max((r.params.max_tokens - len(r.output_token_ids) for r in self.running
-                       if r.version_id == request.version_id), default=None)
-        return horizon is not None and request.params.max_tokens - len(request.output_token_ids) <= horizon
+        each of its adapters is pinned by running requests and it will not outlast them (no slot frees later)."""
+        left = request.params.max_tokens - len(request.output_token_ids)
+        for version_id in request.members:
+            horizon = max((r.params.max_tokens - len(r.output_token_ids) for r in self.running
+                           if version_id in r.members), default=None)
+            if horizon is None or left > horizon:
+                return False
+        return True
 
     def _chain(self, request: Request) -> list[bytes]:
         """The keys of the request's full blocks (its prompt and outputs), computed once each; empty when
         prefix caching is off."""
         if self.allocator.caching and len(request.block_keys) < request.num_tokens // self.config.block_size:
-            extend_chain(request.block_keys, request.all_token_ids, request.version_id, self.config.block_size)
+            extend_chain(request.block_keys, request.all_token_ids, request.kv_owner, self.config.block_size,
+                         request.base_blocks(self.config.block_size))
         return request.block_keys
 
     def _key_filled_blocks(self, request: Request, start: int, n: int) -> None:
@@ -217,6 +257,19 @@ class Scheduler:
         first, end = start // self.config.block_size, (start + n) // self.config.block_size
         if self.allocator.caching and end > first:
             self.allocator.cache(request.block_table[first:end], self._chain(request)[first:end])
+
+    def _draft(self, request: Request, n: int, budget: int) -> tuple[int, ...]:
+        """The draft ``request`` verifies this step (speculative decoding): only a decoding request drafts, no
+        more than its ``max_tokens`` and the context leave room for beyond its next token, within the step's
+        budget, and only into KV blocks free now (a draft never preempts a request)."""
+        if n != 1 or request.num_tokens - request.num_computed_tokens != 1 or not request.output_token_ids:
+            return ()
+        limit = min(budget - 1, request.params.max_tokens - len(request.output_token_ids) - 1)
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len - request.num_tokens - 1)
+        draft = self.speculator.draft(request, limit)
+        need = self._blocks_for(request.num_tokens + len(draft)) - len(request.block_table)
+        return draft if not draft or self.allocator.can_allocate(need) else ()
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
@@ -233,33 +286,56 @@ class Scheduler:
                 return False
             self.preempt(victims[0])
         if need > 0:
-            request.block_table += self.allocator.allocate(need, request.version_id)
+            request.block_table += self.allocator.allocate(need, request.kv_owner, first=len(request.block_table),
+                                                           base_blocks=request.base_blocks(self.config.block_size))
         return True
 
-    def update(self, scheduled: Sequence[ScheduledRequest], tokens: Sequence[int]) -> list[Request]:
-        """Post-step bookkeeping. Every scheduled request's computed tokens advance; each one that drew a
-        token (``draws``; ``tokens`` holds their new tokens in batch order) appends it and finishes when it
-        hits a stop condition; one whose prompt is complete with ``max_tokens == 0`` finishes ("length").
-        Returns the requests whose prompt is complete (``prompt_complete``), in batch order."""
+    def update(self, scheduled: Sequence[ScheduledRequest], tokens: Sequence[int | Sequence[int]]) -> list[Request]:
+        """Post-step bookkeeping. Every scheduled request's computed tokens advance; each one that drew
+        (``draws``; ``tokens`` holds, in batch order, its new token, or for a request that verified a draft its
+        accepted run: the draft tokens kept, then one more) appends them, one by one, and finishes at the
+        first that hits a stop condition, as plain decoding would; one whose prompt is complete with
+        ``max_tokens == 0`` finishes ("length"). Returns the requests whose prompt is complete
+        (``prompt_complete``), in batch order."""
         if len(tokens) != sum(s.draws for s in scheduled):
             raise ValueError(f"{len(tokens)} tokens for {sum(s.draws for s in scheduled)} requests that draw one")
-        complete = [(s.request, s.draws) for s in scheduled if s.prompt_complete]  # before tokens are appended
-        self.allocator.commit()  # the step's K/V are written: its blocks' keys hold from now on
+        complete = [(s, s.draws) for s in scheduled if s.prompt_complete]  # before tokens are appended
         for s in scheduled:
             s.request.num_computed_tokens += s.num_tokens
         drawn = iter(tokens)
-        for request, draws in complete:
+        for s, draws in complete:
+            request = s.request
             if not draws:
                 self.finish(request, "length")
                 continue
-            token = next(drawn)
+            run = next(drawn)
             if request.first_token_time is None:
                 request.first_token_time = time.time()
-            request.output_token_ids.append(token)
-            reason = self._stop_reason(request, token)
+            reason, kept = None, 0
+            for token in [run] if isinstance(run, int) else run:
+                request.output_token_ids.append(token)
+                kept += 1
+                if (reason := self._stop_reason(request, token)) is not None:
+                    break
+            if s.draft:
+                self._settle_draft(s, kept - 1)
             if reason is not None:
                 self.finish(request, reason)
-        return [request for request, _ in complete]
+        self.allocator.commit()  # the step's K/V are written: its blocks' keys hold from now on
+        return [s.request for s, _ in complete]
+
+    def _settle_draft(self, s: ScheduledRequest, accepted: int) -> None:
+        """``s`` verified a draft and kept its first ``accepted`` tokens: their K/V (computed from inputs equal
+        to the tokens now appended) count as computed and the blocks they fill are keyed; the blocks past the
+        computed tokens, which hold only rejected drafts' K/V, are freed (never keyed: nothing can match them)."""
+        request = s.request
+        request.num_computed_tokens += accepted
+        self._key_filled_blocks(request, s.start, s.num_tokens + accepted)
+        keep = self._blocks_for(request.num_computed_tokens)
+        if len(request.block_table) > keep:
+            self.allocator.free(request.block_table[keep:])
+            del request.block_table[keep:]
+        self.speculator.record(request, len(s.draft), accepted)
 
     def undo(self, scheduled: Sequence[ScheduledRequest]) -> None:
         """The step of ``scheduled`` failed before ``update``: its K/V may be partly written, so the cache
@@ -315,8 +391,10 @@ class Scheduler:
             self.allocator.free(request.block_table)
             request.block_table = []
         if request.pinned:
-            self.adapters.release(request.version_id)
+            for version_id in request.members:
+                self.adapters.release(version_id)
             request.pinned = False
         if request.holds_version:
-            self.adapters.release_hold(request.version_id)
+            for version_id in request.members:
+                self.adapters.release_hold(version_id)
             request.holds_version = False

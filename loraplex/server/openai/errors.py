@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from loraplex.errors import LoraplexError
 
@@ -103,6 +104,17 @@ def _validation_param(exc: RequestValidationError) -> tuple[str | None, str]:
     return field, f"{where}: {first['msg']}"
 
 
+_HTTP_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route fully matches at this path. Starlette's own 405 names only the first
+    partly matching route's methods, which is wrong where one path has a route per method."""
+    return [method for method in _HTTP_METHODS
+            if any(route.matches({**request.scope, "method": method})[0] is Match.FULL
+                   for route in request.app.routes)]
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(LoraplexError)
     async def _loraplex(_: Request, exc: LoraplexError) -> JSONResponse:
@@ -125,7 +137,9 @@ def install_error_handlers(app: FastAPI) -> None:
             return not_implemented(request.method, request.url.path)
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
         response = error_response(exc.status_code, message)
-        response.headers.update(exc.headers or {})  # e.g. a 405's Allow
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:
+            response.headers["Allow"] = ", ".join(_allowed_methods(request))
         return response
 
     @app.exception_handler(Exception)

@@ -69,6 +69,14 @@ class StreamOptions(_Body):
     include_usage: bool | None = False
 
 
+class AdapterMixEntry(_Body):
+    """One adapter of an ``adapter_mix``: its name and the scale of its delta."""
+
+    where: ClassVar[str] = "adapter_mix"
+    name: str
+    scale: float = Field(1.0, json_schema_extra={"minimum": 0})
+
+
 class _SamplingFields(StructuredFields, _Body):
     """Fields shared by completions and chat completions (vLLM's extensions included)."""
 
@@ -95,6 +103,18 @@ class _SamplingFields(StructuredFields, _Body):
     stop_token_ids: list[Int] | None = None
     prompt_logprobs: Int | None = ranged(minimum=0, maximum=MAX_LOGPROBS)
     priority: Int | None = None  # lower is admitted first, within the caller's tenant (fair share across)
+    # per-request LoRA plans (client/adapter_mix.py): the named adapter's delta times lora_scale (None: 1), or, with
+    # ``model`` the base model's name, the sum of every listed adapter's delta times its scale
+    lora_scale: float | None = Field(None, json_schema_extra={"minimum": 0}, description=(
+        "Scales the delta of the adapter named by model (default 1); 400 with the base model as model."))
+    adapter_mix: list[AdapterMixEntry] | None = Field(None, json_schema_extra={"minItems": 1}, description=(
+        "Blends loaded adapters, each delta times its scale, with model the base model's name: at most "
+        "--max-adapters-per-request entries sharing one tokenizer (400 otherwise; 404 for an unknown name)."))
+    # loraplex: false opts this request out of the server's speculative decoding (--speculative-config)
+    speculative_decoding: bool | None = Field(None, description=(
+        "false: decode this request one token per step even when the server runs speculative decoding "
+        "(--speculative-config); outputs are the same either way (greedy: identical; sampled: the same "
+        "distribution). Default true."))
 
     def _params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """The body's ``SamplingParams``; their ranges are checked once, by the engine, when the request is
@@ -118,7 +138,12 @@ class _SamplingFields(StructuredFields, _Body):
             logit_bias=_token_keys(self.logit_bias or {}),
             min_tokens=self.min_tokens or 0,
             structured_outputs=self.constraint(),
+            speculative_decoding=self.speculative_decoding is not False,
         )
+
+    def mix(self) -> list[tuple[str, float]] | None:
+        """``adapter_mix`` as (name, scale) pairs, None without one."""
+        return None if self.adapter_mix is None else [(e.name, e.scale) for e in self.adapter_mix]
 
     def field_of(self, param: str | None) -> str | None:
         """The body field an engine refusal's ``param`` stands for."""
@@ -255,11 +280,11 @@ class ChatCompletionRequest(ToolFields, _SamplingFields):
         return renamed.get(param or "") or param
 
     def constraint(self) -> StructuredOutputsParams | None:
-        structured, tools = self.structured_constraint(), self.tool_constraint()
-        if structured is not None and tools is not None:
-            raise RequestError(f"tool_choice {self.tool_choice!r} constrains the output already; drop the "
-                               "structured-output field", "tool_choice")
-        return structured or tools
+        """The output's constraint. A forced tool call (``required`` or named) wins over a structured-output
+        field, as on OpenAI: this turn's output is the call, and the format shapes the final message of a
+        later turn (agent loops send both and reset ``tool_choice`` after the call)."""
+        structured, tools = self.structured_constraint(), self.tool_constraint()  # both checked: a bad schema is a 400
+        return tools if tools is not None else structured
 
     def prompt_text(self, tokenizer: Any) -> str:
         """The messages rendered with the tokenizer's chat template (see ``chat_text``)."""

@@ -68,9 +68,9 @@ def _worker(config: PrepareConfig, base: Any) -> PrepareWorker:
     worker = getattr(_local, "worker", None)
     if worker is None or worker.config != config:
         if base is None and config.tokenizer_path is not None:
-            from transformers import AutoTokenizer
+            from loraplex.models.tokenizer_source import model_tokenizer
 
-            base = AutoTokenizer.from_pretrained(config.tokenizer_path)
+            base = model_tokenizer(config.tokenizer_path)
         worker = _local.worker = PrepareWorker(config, VersionTokenizers(base))
     return worker
 

@@ -61,7 +61,7 @@ async def completions(request: Request) -> Response:
     arrived_ns, ctx = time.time_ns(), context(request)
     parsed = await ctx.preparer.parse_completion(await request.body())
     body: CompletionRequest = parsed.body
-    version = await ctx.route(request, body.model)
+    version = await ctx.route_body(request, body.model, body.lora_scale, body.mix())
     prepared = await ctx.preparer.completion(parsed, version, COMPLETION_DEFAULT_MAX_TOKENS)
     params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
     gen = Generation(
@@ -88,7 +88,7 @@ async def chat_response(request: Request, raw: bytes, arrived_ns: int) -> Respon
     ctx = context(request)
     parsed = await ctx.preparer.parse_chat(raw)
     body: ChatCompletionRequest = parsed.body
-    version: Version = await ctx.route(request, body.model)
+    version: Version = await ctx.route_body(request, body.model, body.lora_scale, body.mix())
     prepared = await ctx.preparer.chat(parsed, version)  # the version's own chat template
     prompt_ids = prepared.prompt_token_ids[0]
     params = body.sampling_params(max(ctx.client.max_model_len - len(prompt_ids), 1))  # default: the rest

@@ -96,15 +96,18 @@ async def _events(answer: StreamingResponse, events: ResponseEvents, keep: Any) 
         await inner.aclose()  # type: ignore[attr-defined]
 
 
-@router.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"], responses=documented(None, 404))
+@router.get("/v1/responses/{response_id}", responses=documented(None, 404))
 async def stored_response(response_id: str, request: Request) -> dict:
-    """``GET``: the stored response; ``DELETE``: forget it. 404 for one not stored, expired, or another tenant's."""
-    store, tenant = _store(request), caller(request).tenant
-    if request.method == "DELETE":
-        if not store.delete(tenant, response_id):
-            raise _not_found(response_id)
-        return {"id": response_id, "object": "response", "deleted": True}
-    stored = store.get(tenant, response_id)
+    """The stored response; 404 for one not stored, expired, or another tenant's."""
+    stored = _store(request).get(caller(request).tenant, response_id)
     if stored is None:
         raise _not_found(response_id)
     return stored.body
+
+
+@router.delete("/v1/responses/{response_id}", responses=documented(None, 404))
+async def delete_stored_response(response_id: str, request: Request) -> dict:
+    """Forget a stored response; 404 for one not stored, expired, or another tenant's."""
+    if not _store(request).delete(caller(request).tenant, response_id):
+        raise _not_found(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}

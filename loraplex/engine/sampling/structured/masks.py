@@ -10,7 +10,7 @@ constrained row's matcher accepts the token drawn.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -26,9 +26,16 @@ class GrammarState:
     The matcher has accepted exactly the request's output tokens so far (``accept`` after every draw;
     a preempted request keeps its tokens and its matcher)."""
 
-    def __init__(self, compiled: Future[xgr.CompiledGrammar]) -> None:
+    def __init__(self, compiled: Future[xgr.CompiledGrammar], abandon: Callable[[], None] | None = None) -> None:
         self.compiled = compiled
+        self._abandon = abandon
         self._matcher: xgr.GrammarMatcher | None = None
+
+    def abandon(self) -> None:
+        """The request went away before its grammar was used: its compile may be cancelled (once)."""
+        if self._abandon is not None:
+            self._abandon, abandon = None, self._abandon
+            abandon()
 
     @property
     def ready(self) -> bool:

@@ -11,8 +11,11 @@ and ``structural_tag`` are not implemented and refused when set.
 Untrusted constraints do bounded work: before anything is built, ``check_limits`` refuses (``RequestError``
 naming the limit) a schema or grammar over ``MAX_SOURCE_CHARS``, a schema nested over ``MAX_SCHEMA_DEPTH``,
 more than ``MAX_ENUM_VALUES`` enum / const values (``choice`` entries count too) or ``MAX_PROPERTIES``
-properties in all, and a regex (``regex`` or a schema's ``pattern``) over ``MAX_REGEX_CHARS``: a 30,000-value
-enum or a 20,000-property schema took xgrammar 45-60 s to compile.
+properties in all, a regex (``regex`` or a schema's ``pattern``) over ``MAX_REGEX_CHARS``, and repetition bounds
+(the largest number of each ``{m}``, ``{m,}``, ``{m,n}``) over ``MAX_REGEX_REPEATS`` summed over a regex or all a
+schema's patterns: a 30,000-value enum or a 20,000-property schema took xgrammar 45-60 s to compile, and
+building a schema's ``pattern`` grows with the square of its bound (``[a-z]{1,3000}``: 1.6 s; 1000: 0.16 s),
+so ``[a-z]{1,100000}`` in 16 characters would take half an hour, before any compile's time budget applies.
 
 ``validate`` builds the grammar without a tokenizer (milliseconds), so a bad schema is a
 ``RequestError`` before the request is queued; the engine then compiles it against the request's
@@ -39,6 +42,8 @@ MAX_SCHEMA_DEPTH = 32
 MAX_ENUM_VALUES = 1024  # enum and const values of a schema in all, or choice entries
 MAX_PROPERTIES = 512  # properties of all a schema's objects
 MAX_REGEX_CHARS = 4096  # a regex constraint, or one ``pattern`` of a schema
+MAX_REGEX_REPEATS = 2048  # the bounds of every ``{m,n}`` of a regex, or of all a schema's patterns, summed
+_REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,9 @@ def check_limits(params: StructuredOutputsParams, param: str = PARAM) -> None:
     kind = params.kind
     if kind == "regex" and len(str(params.regex)) > MAX_REGEX_CHARS:
         raise _over(param, f"the regex has {len(str(params.regex))} characters", MAX_REGEX_CHARS, "MAX_REGEX_CHARS")
+    if kind == "regex" and repeats(str(params.regex)) > MAX_REGEX_REPEATS:
+        raise _over(param, f"the regex's repetition bounds sum to {repeats(str(params.regex))}", MAX_REGEX_REPEATS,
+                    "MAX_REGEX_REPEATS")
     if kind == "choice" and len(params.choice or ()) > MAX_ENUM_VALUES:
         raise _over(param, f"choice lists {len(params.choice or ())} strings", MAX_ENUM_VALUES, "MAX_ENUM_VALUES")
     if kind == "json":  # walked first: its depth is bounded before anything recurses into it
@@ -169,7 +177,7 @@ def check_limits(params: StructuredOutputsParams, param: str = PARAM) -> None:
 
 def _check_schema_limits(schema: dict[str, Any], param: str) -> None:
     """Walk the schema (iteratively: its depth is bounded here, not by Python's stack)."""
-    enums = properties = 0
+    enums = properties = repeated = 0
     stack: list[tuple[object, int]] = [(schema, 1)]
     while stack:
         node, depth = stack.pop()
@@ -195,4 +203,14 @@ def _check_schema_limits(schema: dict[str, Any], param: str) -> None:
         if isinstance(pattern, str) and len(pattern) > MAX_REGEX_CHARS:
             raise _over(param, f"a pattern of the JSON schema has {len(pattern)} characters", MAX_REGEX_CHARS,
                         "MAX_REGEX_CHARS")
+        repeated += repeats(pattern) if isinstance(pattern, str) else 0
+        if repeated > MAX_REGEX_REPEATS:
+            raise _over(param, "the repetition bounds of the JSON schema's patterns sum to more than "
+                        f"{MAX_REGEX_REPEATS}", MAX_REGEX_REPEATS, "MAX_REGEX_REPEATS")
         stack.extend((value, depth + 1) for key, value in node.items() if key not in ("enum", "const"))
+
+
+def repeats(regex: str) -> int:
+    """The sum of the largest bound of every ``{m}``, ``{m,}``, ``{m,n}`` in ``regex`` (an escaped brace counts
+    too: an overestimate refuses at most a regex near the limit)."""
+    return sum(max(int(low), int(high or 0)) for low, high in _REPEAT.findall(regex))

@@ -2,7 +2,9 @@
 
 Requests submitted together (the choices of an ``n > 1`` request, the prompts of a prompt list) stay
 together: a group goes to the scheduler whole, once every grammar in it is compiled, so they are still
-admitted in one step (and share one prefill). A grammar that fails to compile fails its request alone.
+admitted in one step (and share one prefill). A grammar that fails to compile (or passes its time
+budget) fails its request alone; a request aborted while its grammar compiles abandons the compile
+(``GrammarState.abandon``: it is cancelled when no other request waits for it).
 """
 
 from __future__ import annotations
@@ -39,12 +41,12 @@ class GrammarWaitlist:
                 continue
             good = []
             for request in group:
-                error = request.grammar.compiled.exception() if request.grammar is not None else None
+                error = _compile_error(request)
                 if error is None:
                     good.append(request)
                 else:
-                    failed.append((request, RequestError(f"structured_outputs: the grammar failed to compile: "
-                                                         f"{error}", "structured_outputs")))
+                    failed.append((request, error if isinstance(error, RequestError) else RequestError(
+                        f"structured_outputs: the grammar failed to compile: {error}", "structured_outputs")))
             if good:
                 ready.append(good)
         self._groups = waiting
@@ -55,7 +57,18 @@ class GrammarWaitlist:
         for group in self._groups:
             if request in group:
                 group.remove(request)
+                if request.grammar is not None:
+                    request.grammar.abandon()  # its compile is cancelled when no other request waits for it
                 if not group:
                     self._groups.remove(group)
                 return True
         return False
+
+
+def _compile_error(request: Request) -> BaseException | None:
+    """Why ``request``'s grammar did not compile (None: it did, or there is none)."""
+    if request.grammar is None:
+        return None
+    if request.grammar.compiled.cancelled():  # the pool stopped (the engine is going away)
+        return RequestError("structured_outputs: the grammar compile was cancelled", "structured_outputs")
+    return request.grammar.compiled.exception()
