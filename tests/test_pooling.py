@@ -171,3 +171,53 @@ def test_embed_defaults_to_the_models_sentence_transformers_config(tiny_llama: P
     ids = [9, 8, 7, 6, 5]
     [out] = LLM(model=str(folder), max_loras=1, kv_cache_blocks=16).embed([ids], use_tqdm=False)
     assert_close(out.embedding, hf_embeddings(tiny_llama, None, [ids], "cls", normalize=False)[0])
+
+
+def test_preempted_pooling_request_starts_its_pool_over(tiny_llama: Path, embedders: dict[str, Path]) -> None:
+    """A KV cache too small for both: the mean-pooled prompt, prefilled in chunks, is preempted by the growing
+    generation and recomputed from its first token; its sum restarts, so it still equals HF."""
+    llm = LLM(model=str(tiny_llama), max_loras=2, kv_cache_blocks=6, block_size=16, max_num_batched_tokens=16,
+              enable_prefix_caching=False)
+    llm.load_adapter("emb_a", embedders["emb_a"])
+    [gen_prompt, pool_prompt] = prompts_of(2, seed=12, lo=30, hi=30)
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=0, pooling=PoolingParams("mean"))]
+    outs = llm.generate([gen_prompt, pool_prompt + pool_prompt], params, adapters=[None, "emb_a"], use_tqdm=False)
+    assert llm.stats().num_preemptions > 0
+    assert_close(outs[1].embedding, hf_embeddings(tiny_llama, embedders["emb_a"], [pool_prompt * 2], "mean")[0])
+
+
+def test_pooling_rows_beside_speculative_drafts(tiny_llama: Path, embedders: dict[str, Path]) -> None:
+    """Generations verifying n-gram drafts (their entries carry draft tokens after their own) share steps with
+    pooling rows that arrive mid-decode: the pooled rows read their own hidden states."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    llm = LLM(model=str(tiny_llama), max_loras=2, kv_cache_blocks=256, block_size=4, speculative_config=spec)
+    llm.load_adapter("emb_a", embedders["emb_a"])
+    engine, results = llm.engine, {}
+    rng = random.Random(13)
+    for i in range(3):
+        span = [rng.randrange(3, 49152) for _ in range(4)]
+        add(engine, f"gen-{i}", span * 4, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    for _ in range(3):
+        gather(engine.step(), results)
+    pool_prompts = prompts_of(4, seed=14)
+    for i, prompt in enumerate(pool_prompts):
+        add(engine, f"emb-{i}", prompt, SamplingParams(max_tokens=0, pooling=PoolingParams("mean")),
+            "emb_a" if i % 2 else None)
+    embeddings, drafted = {}, False
+    execute = engine.runner.execute_pooled
+
+    def spy(entries, lora, rows):  # noqa: ANN001, ANN202
+        nonlocal drafted
+        drafted = drafted or any(len(e.token_ids) > 1 and not e.pooled for e in entries)
+        return execute(entries, lora, rows)
+
+    engine.runner.execute_pooled = spy
+    while engine.has_unfinished_requests():
+        for out in gather(engine.step(), results):
+            if out.finished and out.embedding is not None:
+                embeddings[out.request_id] = out.embedding
+    assert drafted, "no pooled step ran beside a drafting row"
+    for i, prompt in enumerate(pool_prompts):
+        ref = hf_embeddings(tiny_llama, embedders["emb_a"] if i % 2 else None, [prompt], "mean")[0]
+        assert_close(embeddings[f"emb-{i}"], ref)

@@ -275,8 +275,8 @@ class Engine:
         if self.config.debug_checks:
             check_right_weights(self.adapters, mapping, lora)
             check_right_kv(self.allocator, self.scheduler.running, [s.request for s in batch])
-        pooling = PoolingPlan.of([(s.request.params.pooling, s.start, s.num_tokens, len(s.request.prompt_token_ids))
-                                  for s in batch])  # None when no row pools
+        pooling = PoolingPlan.of([(s.request.params.pooling, s.start, s.num_tokens, len(s.request.prompt_token_ids),
+                                   len(e.token_ids)) for s, e in zip(batch, entries, strict=True)])  # None: none pools
         with torch.inference_mode():
             if pooling is None:
                 logits = self.runner.execute(entries, lora)  # [R, vocab]

@@ -76,21 +76,22 @@ class PoolingPlan:
     entries: tuple[PooledRow, ...]
 
     @classmethod
-    def of(cls, chunks: Sequence[tuple[PoolingParams | None, int, int, int]]) -> PoolingPlan | None:
-        """``chunks[i] = (pooling, start, num_tokens, prompt_len)`` per batch entry, in batch order (flat rows
-        follow that order); None when no entry pools."""
+    def of(cls, chunks: Sequence[tuple[PoolingParams | None, int, int, int, int]]) -> PoolingPlan | None:
+        """``chunks[i] = (pooling, start, num_tokens, prompt_len, width)`` per batch entry, in batch order (flat
+        rows follow that order; ``width``: the entry's flat rows, more than ``num_tokens`` for a generation
+        verifying draft tokens); None when no entry pools."""
         if all(pooling is None for pooling, *_ in chunks):
             return None
         rows: list[int] = []
         entries = []
         offset = 0
-        for i, (pooling, start, n, prompt_len) in enumerate(chunks):
+        for i, (pooling, start, n, prompt_len, width) in enumerate(chunks):
             if pooling is not None:
                 read = rows_read(pooling, start, n, prompt_len)
                 first = len(rows)
                 rows += [offset + p - start for p in read]
                 entries.append(PooledRow(i, first, len(rows), start == 0 or pooling.pooling_type != "mean"))
-            offset += n
+            offset += width
         return cls(torch.tensor(rows, dtype=torch.int64), tuple(entries))
 
     def nonfinite(self, hidden: torch.Tensor) -> set[int]:
