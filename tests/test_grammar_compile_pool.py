@@ -51,7 +51,8 @@ def params(constraint: StructuredOutputsParams, max_tokens: int = 4) -> Sampling
 @pytest.fixture(scope="module")
 def engine(tiny_llama: Path) -> Iterator[Engine]:
     engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_blocks=64, max_num_seqs=4,
-                                 grammar_compile_workers=2, grammar_compile_timeout_s=TIMEOUT_S))
+                                 grammar_compile_workers=2, grammar_compile_timeout_s=TIMEOUT_S,
+                                 grammar_compile_warm=True))  # as `loraplex serve`: workers start now
     warm = {}  # start both workers (seconds of imports) before the tests look at them
     add(engine, "warm-0", "Hi", params(StructuredOutputsParams(choice=["a", "b"])), tags=RequestTags("w0"))
     add(engine, "warm-1", "Hi", params(StructuredOutputsParams(choice=["c", "d"])), tags=RequestTags("w1"))
