@@ -59,9 +59,9 @@ def huge_enum(_: Path) -> tuple[str, dict]:
 
 
 def slow_schema(_: Path) -> tuple[str, dict]:
-    """Within every static limit, long to compile: 512 properties with a ``pattern`` of ten optional letters."""
+    """Within every static limit, long to compile: 512 properties with a ``pattern`` of twelve optional letters."""
     schema = {"type": "object", "required": [f"p{i}" for i in range(512)],
-              "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]?" * 10} for i in range(512)}}
+              "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]?" * 12} for i in range(512)}}
     return "/v1/completions", {"model": "base", "prompt": "Answer:", "max_tokens": 8,
                                "structured_outputs": {"json": schema}}
 

@@ -113,7 +113,7 @@ class Engine:
         self.grammars = GrammarCompilers(self.model_config.eos_token_ids, workers=config.grammar_compile_workers,
                                          timeout_s=config.grammar_compile_timeout_s)  # structured outputs' grammars
         if config.grammar_compile_warm:
-            self.grammars.pool.start()
+            self.grammars.start(self.tokenizer, self.model_config.vocab_size)
         self._compiling = GrammarWaitlist()  # requests waiting for their grammar, outside the scheduler
         self.waiting_bound = WaitingBound(config, self.scheduler, self._compiling)  # 503 past max_waiting_requests
         self.intake = RequestIntake(self.adapters, self.tokenizer, self.model_config.vocab_size,

@@ -42,7 +42,7 @@ from typing import Any
 
 import xgrammar as xgr
 
-from loraplex.engine.sampling.structured.compile_worker import CompileJob
+from loraplex.engine.sampling.structured.compile_worker import TOKENIZER, CompileJob
 from loraplex.errors import RequestError
 
 logger = logging.getLogger(__name__)
@@ -225,12 +225,14 @@ def _run(pool: CompilePool, worker: _Worker, task: CompileTask) -> None:
     conn = worker.conn
     assert conn is not None
     info_id, info = task.tokenizer_info()
-    job = CompileJob(info_id, None if info_id in worker.infos else info.serialize_json(), task.kind, task.source,
-                     task.options)
-    worker.infos.add(info_id)
-    task.sent_at = time.monotonic()
     try:
-        conn.send(job)
+        if info_id not in worker.infos:  # the worker loads the tokenizer first, outside the compile's budget
+            conn.send(CompileJob(info_id, info.serialize_json(), TOKENIZER, ""))
+            if not conn.poll(READY_TIMEOUT_S) or conn.recv()[0] != "ok":
+                raise EOFError("the worker did not load the tokenizer")
+            worker.infos.add(info_id)
+        task.sent_at = time.monotonic()
+        conn.send(CompileJob(info_id, None, task.kind, task.source, task.options))
         while not conn.poll(POLL_S):
             if task.cancelled or pool.stopping:
                 _stop(pool, worker, task, "cancelled")

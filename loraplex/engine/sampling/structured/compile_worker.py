@@ -27,6 +27,7 @@ from typing import Any
 
 NICENESS = 10
 MAX_COMPILED_BYTES = 64 << 20
+TOKENIZER = "tokenizer"  # a job's kind that only loads its tokenizer (sent before the first compile for it)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ def compile_job(compilers: dict[int, Any], job: CompileJob) -> float:
     if job.info_json is not None:
         info = xgr.TokenizerInfo.deserialize_json(job.info_json)
         compilers[job.info_id] = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    if job.kind == TOKENIZER:
+        return 0.0
     start = time.perf_counter()
     compiled = compile_with(compilers[job.info_id], job.kind, job.source, job.options)
     size = compiled.memory_size_bytes

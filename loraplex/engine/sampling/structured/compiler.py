@@ -118,5 +118,13 @@ class GrammarCompilers:
             _, info, compiler = self._infos[key]
             return id(info), info, compiler
 
+    def start(self, tokenizer: Any, vocab_size: int) -> None:
+        """Start the pool's workers and build ``tokenizer``'s info in the background (``loraplex serve``:
+        the first structured request then waits for neither)."""
+        self.pool.start()
+        if tokenizer is not None:
+            threading.Thread(target=self._info, args=(tokenizer, vocab_size), daemon=True,
+                             name="loraplex-grammar-info").start()
+
     def shutdown(self) -> None:
         self.pool.shutdown()
