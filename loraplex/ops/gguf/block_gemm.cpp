@@ -37,7 +37,7 @@ inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a); }
 inline V u8_to_f(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
 inline V i8_to_f(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
 constexpr int kTileN = 4;  // output rows per tile
-constexpr int kTileM = 4;  // rows of x per tile (16 accumulators)
+constexpr int kTileM = 6;  // rows of x per tile (24 accumulators): each dequantized block serves 6 rows
 constexpr int kDecodeN = 8;  // output rows per tile for a single row of x
 #else
 constexpr int kW = 8;
@@ -51,8 +51,8 @@ inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, V a) { _mm256_storeu_ps(p, a); }
 inline V u8_to_f(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
 inline V i8_to_f(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
-constexpr int kTileN = 4;
-constexpr int kTileM = 2;  // 8 accumulators + 4 weight vectors + temporaries in 16 ymm registers
+constexpr int kTileN = 2;
+constexpr int kTileM = 4;  // 8 accumulators + 4 weight vectors + temporaries in 16 ymm registers
 constexpr int kDecodeN = 8;
 #endif
 constexpr int kVecs = kQK / kW;  // vectors per block
