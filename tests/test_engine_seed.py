@@ -107,7 +107,9 @@ def test_stale_index_bug_would_be_caught(
                                         engine.adapters.host.get(engine.adapters.resolve(name)))
     assert engine.adapters.slot_table.slots == [engine.adapters.resolve("B"), engine.adapters.resolve("A")]
     if debug_checks:
-        with pytest.raises(AssertionError, match="asked for adapter"):
+        a, b = engine.adapters.resolve("A"), engine.adapters.resolve("B")  # A's tokens now read B's slot
+        wrong = rf"asked for \(adapter, scale\) \[\({a}, 1.0\)\] but reads \[\({b}, 1.0\)\]"
+        with pytest.raises(AssertionError, match=wrong):
             engine.step()
         return
     for _ in range(8):

@@ -64,6 +64,21 @@ def test_required_and_named_tool_choice(server: Server, model: str) -> None:
         check_calls(choice.message.tool_calls, {"get_time"})
 
 
+def test_a_forced_call_wins_over_a_response_format(server: Server) -> None:
+    """As on OpenAI (and as agent loops send it): with ``tool_choice`` forcing a call, this turn's output is the
+    call, and ``response_format`` waits for the turn that writes a message; a bad format is still a 400."""
+    client = server.client()
+    out = client.chat.completions.create(model="r8_all", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                         response_format={"type": "json_object"}, max_tokens=200, temperature=0,
+                                         parallel_tool_calls=False)
+    assert out.choices[0].finish_reason == "tool_calls"
+    check_calls(out.choices[0].message.tool_calls, set(SCHEMA_OF))
+    bad = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": BASE, "messages": MESSAGES, "max_tokens": 4, "tools": TOOLS, "tool_choice": "required",
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format", bad.text
+
+
 def test_streamed_tool_calls_equal_the_whole_response(server: Server) -> None:
     """Streamed as vLLM sends them: per call a first delta with id, type and name, then argument fragments
     that add up to the whole response's arguments."""
@@ -186,7 +201,6 @@ def test_tool_messages_round_trip_through_the_chat_template(server: Server, tiny
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
       "tool_choice": "required"}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
 ])
 def test_bad_tool_fields_are_400(server: Server, fields: dict, param: str) -> None:
