@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="1: CPU time is the kernels' time (see decode_rate)")
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    parser.add_argument("--workloads", nargs="+", choices=("extraction", "chat"), default=["extraction", "chat"])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -86,10 +87,10 @@ def main() -> None:
         for llm in engines.values():
             llm.load_adapter("a", adapter)
     tokenizer = engines["off"].tokenizer
-    workloads = {"extraction": extraction_prompts(tokenizer, max(args.batches)),
-                 "chat": chat_prompts(tokenizer, max(args.batches))}
+    makers = {"extraction": extraction_prompts, "chat": chat_prompts}
+    workloads = {name: makers[name](tokenizer, max(args.batches)) for name in args.workloads}
     for llm in engines.values():  # warm-up
-        run(llm, workloads["chat"][:2], 4)
+        run(llm, chat_prompts(tokenizer, 2), 4)
     results: dict = {"machine": machine_line(), "load_average_start": os.getloadavg()[0], "tokens": args.tokens,
                      "speculative_config": SPEC, "cases": {}}
     for workload, prompts in workloads.items():
