@@ -6,8 +6,9 @@ sampled one is unseeded (a seeded request's tokens must not depend on whether sp
 rule draws its own uniforms). Those rows decode one token per step as without speculation.
 
 Adaptive switch-off, where a draft does not pay for its extra positions:
-- by batch: no drafts in a step with more running requests than ``disable_by_batch_size`` (a CPU step with
-  many rows is compute-bound: k more positions per row cost about k more tokens of compute);
+- by batch: no drafts in a step with more requests running or waiting than ``disable_by_batch_size`` (a CPU
+  step with many rows is compute-bound: k more positions per row cost about k more tokens of compute; the
+  waiting count keeps the first requests of a wave being admitted from drafting);
 - by request: a request whose draft had nothing accepted, or (in a step with other requests, where each draft
   position costs about a token of compute) whose acceptance rate falls below ``MIN_BATCHED_ACCEPTANCE``, waits
   before it drafts again, twice as long each time in a row (1, 2, 4 .. ``MAX_BACKOFF`` steps); a draft that
