@@ -269,7 +269,7 @@ class SpeculativeConfig:
     occurrence of the request's last n tokens in its own prompt and output, for the largest n in
     [``prompt_lookup_min``, ``prompt_lookup_max``] that occurs (vLLM's rule for the defaults: one of the two
     given sets the other; neither: both 5). ``disable_by_batch_size``: no drafts in a step with more
-    running requests than this (vLLM's key; None: our default, 8, where a CPU step turns compute-bound).
+    requests running or waiting than this (vLLM's key; None: our default, 8, where a CPU step turns compute-bound).
     """
 
     method: str = "ngram"

@@ -196,3 +196,30 @@ def test_max_tokens_and_stop_tokens_cut_an_accepted_run(tiny_llama: Path, adapte
         cut = ref.token_ids.index(p.stop_token_ids[0]) + 1
         assert o.token_ids == ref.token_ids[:min(cut, p.max_tokens)]
     assert llm.engine.scheduler.speculator.totals.accepted_tokens > 0
+
+
+def test_drafting_switches_off_where_it_does_not_pay() -> None:
+    """No drafts past ``disable_by_batch_size``; a request backs off (1, 2, 4 .. steps) after a draft with nothing
+    accepted, and in a batched step after its acceptance rate falls below ``MIN_BATCHED_ACCEPTANCE``."""
+    from loraplex.engine.request import Request
+    from loraplex.engine.speculative.speculator import MIN_BATCHED_ACCEPTANCE, Speculator
+
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=2, prompt_lookup_min=1))
+    assert spec.active(8) and not spec.active(9)
+    request = Request("r", [3, 4, 5, 3, 4, 5, 3, 4], SamplingParams(temperature=0.0), None, None, None)
+    assert spec.active(1) and spec.draft(request, 8) == (5, 3)
+    spec.record(request, 2, 0)
+    assert [spec.draft(request, 8) for _ in range(2)] == [(), (5, 3)]
+    spec.record(request, 2, 0)
+    assert [spec.draft(request, 8) for _ in range(3)] == [(), (), (5, 3)]
+    spec.record(request, 2, 2)  # paid: the wait resets
+    assert spec.draft(request, 8) == (5, 3)
+    spec.active(4)  # batched: a quarter of each draft accepted drags the rate below the bar
+    rates = []
+    while spec.draft(request, 8) and len(rates) < 10:
+        spec.record(request, 4, 1)
+        rates.append(request.draft_state.rate)
+    assert rates == [pytest.approx(0.4375)] and rates[0] < MIN_BATCHED_ACCEPTANCE  # 0.625 before: it drafted
+    opted_out = Request("o", [3, 4, 3, 4], SamplingParams(temperature=0.0, speculative_decoding=False), None, None,
+                        None)
+    assert spec.draft(opted_out, 8) == ()

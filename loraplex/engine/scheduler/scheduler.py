@@ -127,7 +127,8 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preemptions_before = self.num_preemptions
         chunk_cap = self._chunk_cap()
-        drafting = self.speculator is not None and self.speculator.active(len(self.running))
+        # vLLM's disable_by_batch_size counts the requests enqueued: waiting ones too (a wave being admitted)
+        drafting = self.speculator is not None and self.speculator.active(len(self.running) + len(self.waiting))
         for request in self._running_order():
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
