@@ -74,7 +74,7 @@ def print_table(results: dict) -> None:
         rows.append([name, f"{r['ttft']['median'] * 1000:.0f}", f"{r['decode_tok_s']['median']:.1f}",
                      f"{r['burst_tok_s']['median']:.1f}", ratio, f"{r['burst_ttft_p50']['median'] * 1000:.0f}",
                      str(r["errors"])])
-    shared.print_table(rows, ["system", "1-stream TTFT ms", "1-stream tok/s", "32-conc tok/s", "vs llama.cpp",
+    shared.print_table(rows, ["system", "1-stream TTFT ms", "1-stream tok/s", "32-conc tok/s", "32-conc vs llama.cpp",
                               "32-conc TTFT p50 ms", "errors"])
     print(f"machine: {results['machine']}; load avg before {results['load_avg']}, after {results['load_avg_after']}")
 
