@@ -19,9 +19,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-from benchmarks.common import chat_prompts, machine_line, write_json, write_random_adapter
+from benchmarks.common import (
+    add_clock_options,
+    chat_prompts,
+    machine_line,
+    step_clock,
+    write_json,
+    write_random_adapter,
+)
 from loraplex import LLM, AdapterMix, SamplingParams
 
 
@@ -40,16 +45,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
-                        help="thread: this thread's CPU time (needs --threads 1: all compute runs in it), which a "
-                             "busy shared host inflates far less than wall time")
+    add_clock_options(parser)
     parser.add_argument("--out", default="benchmarks/results/adapter_mix.json")
     args = parser.parse_args()
-    if args.clock == "thread" and args.threads != 1:
-        parser.error("--clock thread needs --threads 1")
-    torch.set_num_threads(args.threads)
-    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    clock = step_clock(parser, args)
     llm = LLM(max_loras=args.adapters, max_cpu_loras=args.adapters, max_lora_rank=16, max_num_seqs=args.batch,
               enable_prefix_caching=False)
     model_config = llm.engine.model_config

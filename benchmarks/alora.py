@@ -22,9 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-from benchmarks.common import QUESTIONS, machine_line, write_json, write_random_adapter
+from benchmarks.common import QUESTIONS, add_clock_options, machine_line, step_clock, write_json, write_random_adapter
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
 from loraplex.engine.request import SamplingParams
@@ -66,16 +64,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
-                        help="thread: this thread's CPU time (needs --threads 1: all compute runs in it), which a "
-                             "busy shared host inflates far less than wall time")
+    add_clock_options(parser)
     parser.add_argument("--out", default="benchmarks/results/alora.json")
     args = parser.parse_args()
-    if args.clock == "thread" and args.threads != 1:
-        parser.error("--clock thread needs --threads 1")
-    torch.set_num_threads(args.threads)
-    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    clock = step_clock(parser, args)
     engine = Engine(EngineConfig(max_loras=8, max_cpu_loras=8, max_lora_rank=16, kv_cache_bytes=1 << 30))
     tokenizer = engine.tokenizer
     versions: dict[str, dict[str, int]] = {"aLoRA": {}, "plain LoRA": {}}

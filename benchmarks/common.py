@@ -87,6 +87,11 @@ def add_step_options(parser: argparse.ArgumentParser, iters: int) -> None:
     """The options every interleaved step benchmark takes: batch, iterations, threads, clock, output."""
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--iters", type=int, default=iters)
+    add_clock_options(parser)
+
+
+def add_clock_options(parser: argparse.ArgumentParser) -> None:
+    """``--threads`` and ``--clock`` (read back with ``step_clock``)."""
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
                         help="thread: this thread's CPU time (with --threads 1 all compute runs in it), which a "

@@ -180,13 +180,7 @@ def write_peft_adapter(
         alpha_pattern=alpha_pattern or {},
         task_type="CAUSAL_LM",
     )
-    peft_model = get_peft_model(base, config)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, b_std)
-    peft_model.save_pretrained(folder, safe_serialization=True)
-    return folder
+    return save_with_random_b(get_peft_model(base, config), folder, b_std)
 
 
 def write_embedding_adapter(base_folder: Path, folder: Path, rank: int = 8, seed: int = 0,
@@ -199,7 +193,11 @@ def write_embedding_adapter(base_folder: Path, folder: Path, rank: int = 8, seed
     base = AutoModel.from_pretrained(base_folder, dtype=torch.float32)
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(target_modules), lora_dropout=0.0,
                         bias="none", task_type="FEATURE_EXTRACTION")
-    peft_model = get_peft_model(base, config)
+    return save_with_random_b(get_peft_model(base, config), folder, b_std)
+
+
+def save_with_random_b(peft_model: torch.nn.Module, folder: Path, b_std: float) -> Path:
+    """Draw every ``lora_B`` from N(0, b_std) (PEFT initialises B to zero: a no-op adapter) and save."""
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:

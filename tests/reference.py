@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -77,6 +78,13 @@ def _causal_lm_adapter(adapter_folder: Path) -> bool:
     import json
 
     return json.loads((adapter_folder / "adapter_config.json").read_text()).get("task_type") == "CAUSAL_LM"
+
+
+def assert_embedding_close(ours: Sequence[float], ref: torch.Tensor, rel: float = 1e-5) -> None:
+    """``ours`` equals the reference vector within ``rel`` of its largest magnitude (shape included)."""
+    got = torch.tensor(list(ours), dtype=torch.float32)
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref, rtol=0.0, atol=rel * float(ref.abs().max()))
 
 
 @torch.inference_mode()

@@ -8,14 +8,12 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from loraplex import LLM, PoolingParams, RequestError, SamplingParams
 from tests.engine_harness import Progress, add, gather
 from tests.fixtures import write_embedding_adapter
-from tests.reference import hf_embeddings
+from tests.reference import assert_embedding_close, hf_embeddings
 
-REL = 1e-5
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 EMBEDDERS = {"emb_a": (8, 11), "emb_b": (4, 12)}  # name -> (rank, seed)
 
@@ -24,11 +22,6 @@ def prompts_of(n: int, seed: int, lo: int = 3, hi: int = 30) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 49152) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
-
-def assert_close(ours: list[float], ref: torch.Tensor) -> None:
-    got = torch.tensor(ours)
-    assert got.shape == ref.shape
-    torch.testing.assert_close(got, ref, rtol=0.0, atol=REL * float(ref.abs().max()))
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +62,7 @@ def test_mixed_batch_embeddings_equal_hf_peft_and_generation_is_unchanged(
         assert out.token_ids == [] and out.finish_reason == "length" and out.error is None
         ref = hf_embeddings(tiny_llama, embedders.get(name), [prompt], pooling.pooling_type, pooling.normalize,
                             pooling.dimensions)[0]
-        assert_close(out.embedding, ref)
+        assert_embedding_close(out.embedding, ref)
     assert llm.stats().num_running == 0
 
 
@@ -82,7 +75,7 @@ def test_embed_offline_api(llm: LLM, tiny_llama: Path, embedders: dict[str, Path
     for out, prompt, name in zip(outs, prompts, names, strict=True):
         ids = tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else prompt
         assert out.adapter == name and out.prompt_token_ids == ids
-        assert_close(out.embedding, hf_embeddings(tiny_llama, embedders.get(name), [ids], "mean")[0])
+        assert_embedding_close(out.embedding, hf_embeddings(tiny_llama, embedders.get(name), [ids], "mean")[0])
         assert abs(sum(x * x for x in out.embedding) - 1.0) < 1e-5
 
 
@@ -96,7 +89,7 @@ def test_chunked_prefill_pools_every_chunk(tiny_llama: Path, embedders: dict[str
         outs = llm.embed(prompts, PoolingParams(kind), adapters="emb_a", use_tqdm=False)
         refs = hf_embeddings(tiny_llama, embedders["emb_a"], prompts, kind)
         for out, ref in zip(outs, refs, strict=True):
-            assert_close(out.embedding, ref)
+            assert_embedding_close(out.embedding, ref)
 
 
 def test_prefix_cache_serves_last_pooling_only(llm: LLM, tiny_llama: Path, embedders: dict[str, Path]) -> None:
@@ -117,7 +110,7 @@ def test_prefix_cache_serves_last_pooling_only(llm: LLM, tiny_llama: Path, embed
                 cached[out.request_id], embeddings[out.request_id] = out.times.prefix_cached_tokens, out.embedding
     assert cached["last"] >= 32 and cached["mean"] == 0
     for kind in ("last", "mean"):
-        assert_close(embeddings[kind], hf_embeddings(tiny_llama, embedders["emb_b"], [variant], kind)[0])
+        assert_embedding_close(embeddings[kind], hf_embeddings(tiny_llama, embedders["emb_b"], [variant], kind)[0])
     stats = llm.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total  # cached blocks are free (evictable), none held
 
@@ -137,8 +130,8 @@ def test_pooling_request_keeps_its_version_across_a_reload(tiny_llama: Path, emb
         for out in gather(llm.engine.step(), results):
             if out.finished:
                 embeddings[out.request_id] = out.embedding
-    assert_close(embeddings["old"], hf_embeddings(tiny_llama, embedders["emb_a"], [prompt])[0])
-    assert_close(embeddings["new"], hf_embeddings(tiny_llama, embedders["emb_b"], [prompt])[0])
+    assert_embedding_close(embeddings["old"], hf_embeddings(tiny_llama, embedders["emb_a"], [prompt])[0])
+    assert_embedding_close(embeddings["new"], hf_embeddings(tiny_llama, embedders["emb_b"], [prompt])[0])
 
 
 @pytest.mark.parametrize(("params", "field"), [
@@ -170,7 +163,7 @@ def test_embed_defaults_to_the_models_sentence_transformers_config(tiny_llama: P
     (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
     ids = [9, 8, 7, 6, 5]
     [out] = LLM(model=str(folder), max_loras=1, kv_cache_blocks=16).embed([ids], use_tqdm=False)
-    assert_close(out.embedding, hf_embeddings(tiny_llama, None, [ids], "cls", normalize=False)[0])
+    assert_embedding_close(out.embedding, hf_embeddings(tiny_llama, None, [ids], "cls", normalize=False)[0])
 
 
 def test_preempted_pooling_request_starts_its_pool_over(tiny_llama: Path, embedders: dict[str, Path]) -> None:
@@ -184,7 +177,8 @@ def test_preempted_pooling_request_starts_its_pool_over(tiny_llama: Path, embedd
               SamplingParams(max_tokens=0, pooling=PoolingParams("mean"))]
     outs = llm.generate([gen_prompt, pool_prompt + pool_prompt], params, adapters=[None, "emb_a"], use_tqdm=False)
     assert llm.stats().num_preemptions > 0
-    assert_close(outs[1].embedding, hf_embeddings(tiny_llama, embedders["emb_a"], [pool_prompt * 2], "mean")[0])
+    ref = hf_embeddings(tiny_llama, embedders["emb_a"], [pool_prompt * 2], "mean")[0]
+    assert_embedding_close(outs[1].embedding, ref)
 
 
 def test_pooling_rows_beside_speculative_drafts(tiny_llama: Path, embedders: dict[str, Path]) -> None:
@@ -220,4 +214,4 @@ def test_pooling_rows_beside_speculative_drafts(tiny_llama: Path, embedders: dic
     assert drafted, "no pooled step ran beside a drafting row"
     for i, prompt in enumerate(pool_prompts):
         ref = hf_embeddings(tiny_llama, embedders["emb_a"] if i % 2 else None, [prompt], "mean")[0]
-        assert_close(embeddings[f"emb-{i}"], ref)
+        assert_embedding_close(embeddings[f"emb-{i}"], ref)

@@ -13,21 +13,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from loraplex.models.pooling_config import model_pooling
 from tests.fixtures import write_embedding_adapter
-from tests.reference import hf_embeddings
+from tests.reference import assert_embedding_close, hf_embeddings
 from tests.server_harness import BASE, MODES, tiny_server
-
-REL = 1e-5
-
-
-def assert_close(ours: list[float], ref: torch.Tensor) -> None:
-    got = torch.tensor(ours)
-    assert got.shape == ref.shape
-    torch.testing.assert_close(got, ref, rtol=0.0, atol=REL * float(ref.abs().max()))
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +72,7 @@ def test_every_input_form_equals_hf_peft(server, tiny_llama: Path, embedders: di
             assert [d["index"] for d in body["data"]] == list(range(len(expected)))
             for data, ref in zip(body["data"], expected, strict=True):
                 assert data["object"] == "embedding"
-                assert_close(data["embedding"], ref)
+                assert_embedding_close(data["embedding"], ref)
             tokens = sum(len(ids[i]) for i in ([0] if given == texts[0] else [1] if given == ids[1] else [0, 1]))
             assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
         assert r.headers["x-loraplex-adapter-version"].startswith("v" if adapter else "base")
@@ -119,7 +110,7 @@ def test_sentence_transformers_config_and_matryoshka(st_model: Path, embedders: 
         r = post(server.url, {"model": "emb_a", "input": ids, "dimensions": 16})
         assert r.status_code == 200, r.text
         ref = hf_embeddings(st_model, embedders["emb_a"], [ids], "mean", dimensions=16)[0]
-        assert_close(r.json()["data"][0]["embedding"], ref)
+        assert_embedding_close(r.json()["data"][0]["embedding"], ref)
         r = post(server.url, {"model": BASE, "input": ids, "dimensions": 65})
         assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
 
@@ -129,7 +120,7 @@ def test_pooling_flag_overrides_the_model(tiny_llama: Path, embedders: dict[str,
     with tiny_server(tiny_llama, embedders, (), (), tmp_path, app_options={"pooling": "cls"},
                      kv_cache_blocks=64) as server:
         r = post(server.url, {"model": BASE, "input": ids})
-        assert_close(r.json()["data"][0]["embedding"], hf_embeddings(tiny_llama, None, [ids], "cls")[0])
+        assert_embedding_close(r.json()["data"][0]["embedding"], hf_embeddings(tiny_llama, None, [ids], "cls")[0])
 
 
 def test_unsupported_sentence_transformers_modules(st_model: Path, tmp_path: Path) -> None:
