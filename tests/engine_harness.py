@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
+
 from loraplex.engine.engine import Engine
 from loraplex.engine.request import NO_TAGS, EngineOutput, RequestTags, SamplingParams
 from loraplex.errors import LoraplexError
@@ -44,3 +46,12 @@ def gather(outputs: Iterable[EngineOutput], results: dict[str, Progress]) -> lis
 def run_to_end(engine: Engine, results: dict[str, Progress]) -> None:
     while engine.has_unfinished_requests():
         gather(engine.step(), results)
+
+
+def capture_step_logits(engine: Engine) -> list[torch.Tensor]:
+    """Record every step's logits (``[R, vocab]``, in step order) from now on: the returned list fills as the
+    engine steps."""
+    captured: list[torch.Tensor] = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda entries, lora: captured.append(execute(entries, lora)) or captured[-1]
+    return captured

@@ -24,6 +24,7 @@ from loraplex.models.loader import load_model
 from loraplex.models.registry import model_config
 from loraplex.ops.gguf.block_weight import BlockWeight
 from tests.conftest import ADAPTER_SPECS, family_targets
+from tests.engine_harness import capture_step_logits
 from tests.fixtures import write_peft_adapter, write_tiny_model
 from tests.gguf_fixtures import write_tiny_gguf
 from tests.model_harness import ShuffledBlocks, assert_logits_close, greedy, make_runner, random_prompts
@@ -149,9 +150,7 @@ def test_adapters_on_a_gguf_base_equal_hf_peft(gguf_files: dict[str, Path], tmp_
     llm = LLM(model=str(path.parent), max_loras=2, kv_cache_blocks=128, debug_checks=True)  # the folder form
     for name in names[:-1]:
         llm.load_adapter(name, adapters[name])
-    captured: list[torch.Tensor] = []
-    execute = llm.engine.runner.execute
-    llm.engine.runner.execute = lambda entries, lora: captured.append(execute(entries, lora)) or captured[-1]
+    captured = capture_step_logits(llm.engine)
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), adapters=chosen)
     for row, (prompt, name) in enumerate(zip(prompts, chosen, strict=True)):
         base = hf_gguf(path)

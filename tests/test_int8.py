@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from loraplex import LLM, SamplingParams
 from loraplex.ops.int8 import Int8Weight, dequantize, kernel, kernel_build, quantize
 from tests.conftest import ADAPTER_SPECS, family_targets
+from tests.engine_harness import capture_step_logits
 from tests.fixtures import write_peft_adapter
 from tests.reference import hf_model, with_adapter
 from tests.test_engine_reference import random_prompts
@@ -128,9 +129,7 @@ def test_int8_engine_equals_dequantized_hf_peft(tiny_model: Path, int8_setup: tu
     llm = LLM(model=str(tiny_model), max_loras=2, kv_cache_blocks=128, quantization="int8", debug_checks=True)
     for name in names[:-1]:
         llm.load_adapter(name, adapters[name])
-    captured: list[torch.Tensor] = []
-    execute = llm.engine.runner.execute
-    llm.engine.runner.execute = lambda entries, lora: captured.append(execute(entries, lora)) or captured[-1]
+    captured = capture_step_logits(llm.engine)
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), adapters=chosen)
     for name in names:
         idx = [i for i, c in enumerate(chosen) if c == name]

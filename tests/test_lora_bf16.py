@@ -25,6 +25,7 @@ from loraplex.layers.lora_linear import LoRALinear, use_lora_dtype, use_lora_ker
 from loraplex.ops import lora_sgmv
 from loraplex.ops.lora_batch import LORA_METHODS, BatchMapping, build_lora_batch
 from loraplex.ops.lora_step_buffers import slot_tables
+from tests.engine_harness import capture_step_logits
 from tests.fixtures import write_peft_adapter
 from tests.model_harness import hf_logits
 from tests.reference import hf_model, with_adapter
@@ -187,9 +188,7 @@ def test_non_exact_bfloat16_adapters_equal_the_rounded_reference(tiny_llama: Pat
     for name, folder in originals.items():
         llm.load_adapter(name, folder)
     prompts = random_prompts(2, seed=11)
-    captured: list[torch.Tensor] = []
-    execute = llm.engine.runner.execute
-    llm.engine.runner.execute = lambda entries, lora: captured.append(execute(entries, lora)) or captured[-1]
+    captured = capture_step_logits(llm.engine)
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                         adapters=list(originals), use_tqdm=False)
     for row, (prompt, name) in enumerate(zip(prompts, originals, strict=True)):

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 from loraplex.engine.pooling.params import PoolingParams
 from loraplex.errors import RequestError
 from loraplex.models.pooling_config import ModelPooling
-from loraplex.server.openai.protocol import Int, _Body
+from loraplex.server.openai.protocol import Int, _Body, prompt_list
 
 EmbeddingInput = str | list[str] | list[Int] | list[list[Int]]
 
@@ -35,12 +35,7 @@ class EmbeddingRequest(_Body):
 
     def inputs(self) -> list[str | list[int]]:
         """One entry per embedding: a text, or token ids."""
-        given = self.input
-        if isinstance(given, str) or (given and all(isinstance(t, int) for t in given)):
-            return [given]
-        if not given:
-            raise RequestError("input is empty", "input")
-        return list(given)
+        return prompt_list(self.input, "input")
 
     def pooling(self, model: ModelPooling) -> PoolingParams:
         """The body's ``PoolingParams`` under ``model``'s defaults; ``RequestError`` on ``dimensions`` where the

@@ -178,12 +178,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: Int | None = ranged(minimum=0, maximum=MAX_LOGPROBS)
 
     def prompts(self) -> list[str | list[int]]:
-        p = self.prompt
-        if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
-            return [p]
-        if not p:
-            raise RequestError("prompt is empty", "prompt")
-        return list(p)
+        return prompt_list(self.prompt, "prompt")
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """Echo with logprobs scores the prompt too (its first token's logprob is null)."""
@@ -360,3 +355,13 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None  # the base model, as on /tokenize
     tokens: list[Int]
+
+
+def prompt_list(given: str | list[int] | list[str] | list[list[int]], field: str) -> list[str | list[int]]:
+    """One entry per prompt of a ``prompt`` / ``input`` field: a text or token ids alone is one prompt, a list of
+    them is several; empty is a 400 on ``field``."""
+    if isinstance(given, str) or (given and all(isinstance(t, int) for t in given)):
+        return [given]
+    if not given:
+        raise RequestError(f"{field} is empty", field)
+    return list(given)
