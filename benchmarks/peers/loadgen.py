@@ -4,6 +4,10 @@ Each request is ``POST /v1/completions`` with ``model`` = an adapter name, ``pro
 greedy, ``ignore_eos``, ``max_tokens`` new tokens, ``stream`` with a final usage chunk. Per request:
 TTFT = first streamed token - send time; TPOT = (last token - first token) / (tokens - 1); an error
 is a non-200 status, an error event, a transport failure, or a count of tokens other than asked.
+
+For llama.cpp's ``llama-server`` (``lora_ids`` given: adapter name -> the server's LoRA id), a request's
+adapter is its per-request ``lora`` list, ``[{"id": i, "scale": 1.0}]`` (``[]``: the base model, for a
+name not in ``lora_ids``), with ``cache_prompt: false``; ``model`` then only names the server's alias.
 """
 
 from __future__ import annotations
@@ -34,10 +38,19 @@ def popularity(names: list[str], dist: str, n: int, rng: random.Random) -> list[
     return rng.choices(names, weights=weights, k=n)
 
 
-async def one_request(client: httpx.AsyncClient, url: str, sample: Sample, prompt: list[int], max_tokens: int,
-                      t0: float) -> None:
-    body = {"model": sample.adapter, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+def request_body(adapter: str, prompt: list[int], max_tokens: int, lora_ids: dict[str, int] | None) -> dict:
+    """The streamed, greedy, EOS-ignoring completion request for ``adapter`` (see the module docstring)."""
+    body = {"model": adapter, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if lora_ids is not None:
+        lora = [{"id": lora_ids[adapter], "scale": 1.0}] if adapter in lora_ids else []
+        body.update(model="llamacpp", lora=lora, cache_prompt=False)
+    return body
+
+
+async def one_request(client: httpx.AsyncClient, url: str, sample: Sample, prompt: list[int], max_tokens: int,
+                      t0: float, lora_ids: dict[str, int] | None = None) -> None:
+    body = request_body(sample.adapter, prompt, max_tokens, lora_ids)
     first = last = None
     chunks = 0
     try:
@@ -72,8 +85,9 @@ async def one_request(client: httpx.AsyncClient, url: str, sample: Sample, promp
 
 
 async def run_load(base_url: str, prompts: list[list[int]], adapters: list[str], rate: float, max_tokens: int,
-                   seed: int) -> list[Sample]:
-    """Send ``len(adapters)`` requests (prompt i % len(prompts), adapter i) at Poisson ``rate`` req/s."""
+                   seed: int, lora_ids: dict[str, int] | None = None) -> list[Sample]:
+    """Send ``len(adapters)`` requests (prompt i % len(prompts), adapter i) at Poisson ``rate`` req/s
+    (``lora_ids``: llama-server's per-request ``lora`` field, see the module docstring)."""
     rng = random.Random(seed)
     gaps = [rng.expovariate(rate) for _ in adapters]
     limits = httpx.Limits(max_connections=len(adapters) + 8, max_keepalive_connections=len(adapters) + 8)
@@ -87,7 +101,8 @@ async def run_load(base_url: str, prompts: list[list[int]], adapters: list[str],
                 await asyncio.sleep(delay)
             sample = Sample(adapter=adapter, sent=time.perf_counter() - t0)
             tasks.append((sample, asyncio.create_task(
-                one_request(client, f"{base_url}/v1/completions", sample, prompts[i % len(prompts)], max_tokens, t0))))
+                one_request(client, f"{base_url}/v1/completions", sample, prompts[i % len(prompts)], max_tokens, t0,
+                             lora_ids))))
         await asyncio.gather(*(t for _, t in tasks))
     return [s for s, _ in tasks]
 
