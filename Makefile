@@ -8,7 +8,7 @@ LORAPLEX_CHROMIUM ?= /usr/bin/chromium
 export LORAPLEX_CHROMIUM
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: install serve test demo lint bench clean
+.PHONY: install serve test demo lint bench bench-scaling clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -43,6 +43,12 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	bash benchmarks/peers/run_all.sh
+
+# How cost grows alone (`make bench` runs it too): SCALING_ARGS=--quick for the fewest points
+bench-scaling: $(STAMP)
+	bash benchmarks/peers/setup_llamacpp.sh
+	GOMP_CPU_AFFINITY="0 1" OMP_NUM_THREADS=2 $(PY) -m benchmarks.scaling $(SCALING_ARGS)
+	$(PY) -m benchmarks.scale.plots
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -2,7 +2,7 @@
 # `make bench`: the peers' venv, then every peer benchmark in one run, then the plots and the verdict.
 # Results: benchmarks/results/{offline,serving,crosscheck,summary}.json and *.png; logs beside them.
 # Pass options through the environment: OFFLINE_ARGS="--repeats 3", SERVING_ARGS="--rates 0.2,0.4",
-# PREFILL_ARGS, LOADS_ARGS, INT8_ARGS, PREFIX_ARGS, LLAMACPP_ARGS.
+# PREFILL_ARGS, LOADS_ARGS, INT8_ARGS, PREFIX_ARGS, LLAMACPP_ARGS, SCALING_ARGS (e.g. "--quick").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=.venv/bin/python
@@ -28,5 +28,9 @@ $PY -m benchmarks.prefix_cache ${PREFIX_ARGS:-}
 bash benchmarks/peers/setup_llamacpp.sh
 # shellcheck disable=SC2086
 $PY -m benchmarks.peers.llamacpp_bench ${LLAMACPP_ARGS:-}
+# How cost grows (model size, context, concurrency, adapters; llama.cpp on context and concurrency), plots in docs/
+# shellcheck disable=SC2086
+$PY -m benchmarks.scaling ${SCALING_ARGS:-}
+$PY -m benchmarks.scale.plots
 "$PEERS_PY" benchmarks/peers/plots.py
 "$PEERS_PY" benchmarks/peers/summary.py
