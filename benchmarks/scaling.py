@@ -86,16 +86,17 @@ def fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
 
 
 def table(rows: list[dict]) -> None:
-    head = ["axis", "system", "model", "ctx", "conc", "adapters", "tok/s", "TTFT ms", "TPOT ms", "step ms",
+    head = ["axis", "system", "model", "ctx", "conc", "adapters", "tok/s", "tok/cpu-s", "TTFT ms", "TPOT ms", "step ms",
             "floor ms", "GB/s", "peak MiB"]
     out = []
     for r in rows:
         if "error" in r:
             out.append([r["axis"], "loraplex", r["model"], r["context"], r["concurrency"], r["adapters"],
-                        "error: " + " ".join(r["error"])[:60], *["-"] * 6])
+                        "error: " + " ".join(r["error"])[:60], *["-"] * 7])
             continue
         out.append([r["axis"], r["system"], r.get("model", "smollm2-135m-q4_1"), r["context"], r["concurrency"],
-                    r.get("adapters", 0), fmt(r["tok_s"]), fmt(r["ttft_p50"], 1e3, 0), fmt(r["tpot_p50"], 1e3),
+                    r.get("adapters", 0), fmt(r["tok_s"]), fmt(r.get("tok_per_cpu_s")),
+                    fmt(r["ttft_p50"], 1e3, 0), fmt(r["tpot_p50"], 1e3),
                     fmt(r.get("decode_step_ms")), fmt(r.get("gemm_floor_ms")), fmt(r.get("read_gb_s")),
                     fmt(r.get("peak_rss_mib"), digits=0)])
     print_table(out, head)

@@ -7,7 +7,8 @@ shape, adapters into the caches as far as they fit), then sends ``requests``
 prompts of ``context`` random token ids each (ids in [1000, 20000): valid for every model of the axis),
 ``new_tokens`` greedy tokens with EOS ignored, adapters drawn Zipf(1.0) over ``adapters`` registered ones
 (0: the base model). Per point:
-- ``tok_s``: generated tokens / wall seconds of the whole ``generate``;
+- ``tok_s``: generated tokens / wall seconds of the whole ``generate``; ``tok_per_cpu_s``: the same per second
+  of this process's CPU time (every thread), which a busy shared host inflates far less than wall time;
 - ``ttft_p50``: median over requests of (first token - arrival), from the engine's own instants;
 - ``tpot_p50``: median over requests of (end of ``generate`` - first token) / (new_tokens - 1) (all requests
   of a closed batch end on the same step when ``requests == concurrency``);
@@ -110,15 +111,16 @@ def measure(point: Point) -> dict:
     llm.generate(prompts, warm, adapters=drawn, use_tqdm=False)  # kernels at this shape; adapters into the cache
     steps = step_timer(llm, point.concurrency)
     params = SamplingParams(max_tokens=point.new_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, adapters=drawn, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     end = time.time()
     ttft = [o.times.first_token - o.times.arrival for o in outs]
     tpot = [(end - o.times.first_token) / (point.new_tokens - 1) for o in outs]
     step_ms = statistics.median(steps) if steps else None
     weight_bytes = parameter_count(spec) * (1 if spec.quantization == "int8" else 4)
-    out = {**asdict(point), "tok_s": sum(len(o.token_ids) for o in outs) / elapsed, "seconds": elapsed,
+    generated = sum(len(o.token_ids) for o in outs)
+    out = {**asdict(point), "tok_s": generated / elapsed, "seconds": elapsed, "tok_per_cpu_s": generated / cpu,
            "ttft_p50": statistics.median(ttft), "tpot_p50": statistics.median(tpot), "decode_step_ms": step_ms,
            "weight_bytes": weight_bytes, "read_gb_s": weight_bytes / step_ms / 1e6 if step_ms else None,
            "distinct_adapters_used": len(set(drawn) - {None})}
