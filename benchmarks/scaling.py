@@ -109,6 +109,7 @@ def main() -> None:
     ap.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp even where it is built")
     ap.add_argument("--label", default="", help="a note stored with the results (e.g. 'loaded host')")
     ap.add_argument("--out", type=Path, default=RESULTS / "scaling.json")
+    ap.add_argument("--merge", action="store_true", help="keep --out's rows of the axes not run now")
     args = ap.parse_args()
     grid, axes = (QUICK if args.quick else FULL), args.axes.split(",")
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -116,6 +117,8 @@ def main() -> None:
     rows = [run_point(p) for axis in axes for p in points(axis, grid[axis], args.quick)]
     if not args.no_llamacpp and llamacpp.SERVER_BIN.is_file():
         rows += llamacpp_rows(axes, grid, args.quick)
+    if args.merge and args.out.is_file():
+        rows = [r for r in json.loads(args.out.read_text())["rows"] if r["axis"] not in axes] + rows
     result = {"machine": machine_line(), "label": args.label, "quick": args.quick, "load_avg_before": load_before,
               "load_avg_after": os.getloadavg(), "seconds": time.time() - started, "rows": rows}
     write_json(args.out, result)
