@@ -32,3 +32,8 @@ def test_zipf_draws_follow_one_over_rank():
     harmonic = 1 + 1 / 2 + 1 / 3 + 1 / 4
     for k, name in enumerate(names):
         assert abs(counts[name] / 40_000 - (1 / (k + 1)) / harmonic) < 0.01
+
+
+def test_llamacpp_base_body_turns_the_slot_prompt_cache_off():
+    body = loadgen.request_body("llamacpp", [1], 2, {})
+    assert body["lora"] == [] and body["cache_prompt"] is False

@@ -62,8 +62,10 @@ def lora_ids(name: str, url: str, adapters: dict[str, Path]) -> dict[str, int] |
 def measure(url: str, model: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     """Warm-up, then ``repeats`` x (one stream, 32 concurrent) on a running server."""
     def load(n: int, tokens: int) -> dict:
+        # llama.cpp: cache_prompt false (via lora_ids), or the measured prompt is the warm-up's, cached in its slot
+        ids = {} if model == "llamacpp" else None
         samples = asyncio.run(loadgen.run_load(url, prompts[:n], [model] * n, rate=1e9, max_tokens=tokens,
-                                               seed=shared.SEED))
+                                               seed=shared.SEED, lora_ids=ids))
         return loadgen.summarize(samples, rate=1e9)
 
     load(1, 8)

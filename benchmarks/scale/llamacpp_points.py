@@ -1,7 +1,8 @@
 """llama.cpp on the context and concurrency axes of ``benchmarks/scaling.py``: ``llama-server`` on the embedded
 SmolLM2 Q4_1 GGUF (``benchmarks.peers.llamacpp.server_command``: 2 threads, prompt cache off), one server per
 axis with enough slots and context for its largest point, driven by ``benchmarks.peers.loadgen`` (streamed
-``/v1/completions``, the same random token-id prompts, greedy, EOS ignored, all requests sent at once).
+``/v1/completions``, the same random token-id prompts, greedy, EOS ignored, all requests sent at once;
+``lora_ids={}``: the base model with ``cache_prompt: false``, so a warm-up's prompt is not served from the slot).
 Per point: tok/s, TTFT p50, TPOT p50 as ``loadgen`` measures them; ``peak_rss_mib`` is the server's VmHWM
 (peak resident set) read from ``/proc`` after the axis, one value for all its points.
 """
@@ -35,7 +36,7 @@ def _point(url: str, context: int, concurrency: int, new_tokens: int) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 20000) for _ in range(context)] for _ in range(concurrency)]
     samples = asyncio.run(loadgen.run_load(url, prompts, ["llamacpp"] * concurrency, rate=1e9,
-                                           max_tokens=new_tokens, seed=0))
+                                           max_tokens=new_tokens, seed=0, lora_ids={}))
     s = loadgen.summarize(samples, rate=1e9)
     return {"context": context, "concurrency": concurrency, "new_tokens": new_tokens, "tok_s": s["tok_s"],
             "ttft_p50": s["ttft"]["p50"], "tpot_p50": s["tpot"]["p50"], "errors": s["errors"],
