@@ -82,8 +82,8 @@ def test_config_is_transformers_reading_of_the_metadata(gguf_files: dict[str, Pa
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_and_greedy_tokens_equal_hf_on_the_same_file(gguf_files: dict[str, Path], case: str) -> None:
-    """Prefill and decode logits within 1e-4 of HF's scale, greedy tokens equal, for each case (native block
-    types kept in blocks, K-quants dequantized)."""
+    """Prefill and decode logits within 1e-4 of HF's scale, greedy tokens equal, for each case (every block
+    type kept in its blocks)."""
     path = gguf_files[case]
     runner = make_runner(path)
     prompts = random_prompts([5, 11, 3], 49152, seed=1)
@@ -103,7 +103,7 @@ def _block_layers(model: torch.nn.Module) -> list[bool]:
 
 
 def test_native_block_types_stay_in_blocks(gguf_files: dict[str, Path]) -> None:
-    """Q4_0 / Q4_1 / Q8_0 projections and lm_heads are BlockWeights (no float copy); K-quants are float."""
+    """Q4_0 / Q4_1 / Q8_0 / K-quant projections and lm_heads are BlockWeights (no float copy)."""
     model = load_model(gguf_files["llama-q4_0"], None, 2, 8, torch.float32, "cpu")
     assert all(_block_layers(model)) and isinstance(model.lm_head_int8, BlockWeight)
     qkv = model.layers[0].self_attn.qkv_proj.int8_weight
@@ -112,7 +112,10 @@ def test_native_block_types_stay_in_blocks(gguf_files: dict[str, Path]) -> None:
     untied = load_model(gguf_files["llama-q4_1-untied"], None, 2, 8, torch.float32, "cpu")
     assert untied.lm_head is None and untied.lm_head_int8.segments[0].qtype == "Q4_0"
     kquants = load_model(gguf_files["llama-kquants"], None, 2, 8, torch.float32, "cpu")
-    assert not any(_block_layers(kquants)) and isinstance(kquants.lm_head_int8, BlockWeight)
+    assert all(_block_layers(kquants)) and isinstance(kquants.lm_head_int8, BlockWeight)
+    qkv = kquants.layers[0].self_attn.qkv_proj.int8_weight
+    assert [s.qtype for s in qkv.segments] == ["Q4_K", "Q6_K"]  # q, k in Q4_K then v in Q6_K
+    assert kquants.layers[0].mlp.down_proj.int8_weight.segments[0].qtype == "Q5_K"
 
 
 def test_tokenizer_and_chat_template_from_the_metadata(gguf_files: dict[str, Path]) -> None:
@@ -135,10 +138,11 @@ def test_tokenizer_and_chat_template_from_the_metadata(gguf_files: dict[str, Pat
     assert LLM(model=str(gguf_files["qwen2-q8_0"]), max_loras=1, kv_cache_blocks=16).tokenizer is None  # none stored
 
 
-def test_adapters_on_a_gguf_base_equal_hf_peft(gguf_files: dict[str, Path], tmp_path: Path) -> None:
-    """Mixed LoRA adapters (float) over Q4_0/Q8_0 block weights: greedy tokens equal HF + PEFT on the model HF
-    loads from the same GGUF file, and first-step logits within 1e-4."""
-    path = gguf_files["llama-q4_0"]
+@pytest.mark.parametrize("case", ["llama-q4_0", "llama-kquants"])
+def test_adapters_on_a_gguf_base_equal_hf_peft(gguf_files: dict[str, Path], tmp_path: Path, case: str) -> None:
+    """Mixed LoRA adapters (float) over Q4_0/Q8_0 or Q4_K/Q5_K/Q6_K block weights: greedy tokens equal HF + PEFT
+    on the model HF loads from the same GGUF file, and first-step logits within 1e-4."""
+    path = gguf_files[case]
     hf_folder = path.parent.parent / "hf"
     adapters = {name: write_peft_adapter(hf_folder, tmp_path / name, rank=ADAPTER_SPECS[name][0],
                                          alpha=2 * ADAPTER_SPECS[name][0], seed=i + 1,

@@ -1,11 +1,12 @@
 """Build a model from a GGUF file: the config from its metadata (``metadata.hf_config``), every tensor mapped
 to the model's parameter by gguf's own HF -> GGUF name map, llama.cpp's q/k row permutation undone.
 
-Base projections (and the lm_head, tied or not) whose rows are ``Q4_0``, ``Q4_1`` or ``Q8_0`` stay in those
-blocks (``ops.gguf.block_weight.BlockWeight``, given to the layer with ``use_quantized_weight``) when the model
-is float32 on the CPU and ``keep_blocks`` is set; every other tensor (norms, the embedding table, K-quants
-and the rest of what ``gguf.quants`` reads) is dequantized to float as transformers dequantizes it, so the
-model computes float math on the same weights as HF loading the same file. A tensor the model has no place
+Base projections (and the lm_head, tied or not) whose rows are ``Q4_0``, ``Q4_1``, ``Q8_0``, ``Q4_K``, ``Q5_K``
+or ``Q6_K`` stay in those blocks (``ops.gguf.block_weight.BlockWeight``, given to the layer with
+``use_quantized_weight``) when the model is float32 on the CPU and ``keep_blocks`` is set; every other tensor
+(norms, the embedding table, a packed layer holding another type, logged, and the rest of what ``gguf.quants``
+reads) is dequantized to float as transformers dequantizes it, so the model computes float math on the same
+weights as HF loading the same file. A tensor the model has no place
 for, or a missing or mis-shaped one, is a ``GGUFError``.
 """
 
@@ -26,7 +27,7 @@ from loraplex.models.gguf.reader import GGUFError, GGUFFile, GGUFTensor
 from loraplex.models.registry import model_class
 from loraplex.models.registry import model_config as family_config
 from loraplex.ops.gguf.block_weight import BlockWeight
-from loraplex.ops.gguf.formats import NATIVE_TYPES
+from loraplex.ops.gguf.formats import NATIVE_TYPES, block_values
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def _load_linear(linear: LoRALinear, parent: str, tensors: _Tensors, keep_blocks
         for i, proj in enumerate(linear.names):
             lo, hi = linear.out_offsets[i], linear.out_offsets[i + 1]
             linear.bias[lo:hi].copy_(tensors.float_tensor(f"{parent}.{proj}.bias", (hi - lo,)))
-    if keep_blocks and all(t.qtype.name in NATIVE_TYPES for t, _ in parts):
+    if keep_blocks and _native(parent, [t for t, _ in parts], linear.in_features):
         rows = [(t.qtype.name, torch.from_numpy(np.array(r))) for t, r in parts]
         linear.use_quantized_weight(BlockWeight.from_rows(rows, linear.in_features))
         return
@@ -95,12 +96,28 @@ def _load_linear(linear: LoRALinear, parent: str, tensors: _Tensors, keep_blocks
         linear.weight[linear.out_offsets[i] : linear.out_offsets[i + 1]].copy_(tensor.dequantized(rows))
 
 
+def _native(parent: str, tensors: list[GGUFTensor], in_features: int) -> bool:
+    """Whether every tensor of a packed layer can be multiplied in its blocks (the reason logged if not)."""
+    for tensor in tensors:
+        qtype = tensor.qtype.name
+        if qtype not in NATIVE_TYPES:
+            if qtype not in ("F32", "F16"):
+                logger.info("%s: %s is %s, not served natively: the layer is dequantized to float", parent,
+                            tensor.name, qtype)
+            return False
+        if in_features % block_values(qtype):
+            logger.info("%s: %s rows of %d values are not whole %s blocks of %d: the layer is dequantized to "
+                        "float", parent, tensor.name, in_features, qtype, block_values(qtype))
+            return False
+    return True
+
+
 def _load_lm_head(model: CausalLM, tensors: _Tensors, keep_blocks: bool) -> None:
     """The lm_head (the embedding's tensor when tied) as blocks where native; else the float copy stays."""
     cfg = model.config
     name = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     tensor, rows = tensors.get(name, (cfg.vocab_size, cfg.hidden_size))
-    if keep_blocks and tensor.qtype.name in NATIVE_TYPES:
+    if keep_blocks and _native("lm_head", [tensor], cfg.hidden_size):
         data = torch.from_numpy(np.array(rows))
         model.lm_head_int8 = BlockWeight.from_rows([(tensor.qtype.name, data)], cfg.hidden_size)
         model.lm_head = None

@@ -1,4 +1,5 @@
-"""A base weight kept in GGUF blocks (``Q4_0``, ``Q4_1``, ``Q8_0``), multiplied without a float copy.
+"""A base weight kept in GGUF blocks (``Q4_0``, ``Q4_1``, ``Q8_0``; the K-quants ``Q4_K``, ``Q5_K``, ``Q6_K``),
+multiplied without a float copy.
 
 Semantics: ``BlockWeight.linear(x, bias) == x @ dense()^T + bias`` up to float rounding (float32 sums), where
 ``dense()`` is the weight the blocks stand for (``formats.dequantize``, bitwise ``gguf.quants.dequantize``'s).
@@ -8,8 +9,9 @@ each row's result depends on that row alone.
 
 On x86 CPUs the matmul runs ``block_gemm.cpp``, built with the system compiler at first use and cached, in
 two builds chosen at run time by ``torch.backends.cpu.get_cpu_capability()``: ``"avx512"`` where it reports
-AVX512, else ``"avx2"``. Elsewhere (other CPUs, CUDA, no compiler) the weight is dequantized per call and
-``F.linear`` runs: the same numbers, slower.
+AVX512, else ``"avx2"``; K-quant segments run ``kquant_gemm.cpp`` (``kquant_kernel``) the same way.
+Elsewhere (other CPUs, CUDA, no compiler) the weight is dequantized per call and ``F.linear`` runs: the same
+numbers, slower.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.ops.cpp_build import build_cpu_extension, build_for_this_cpu
-from loraplex.ops.gguf.formats import NATIVE_TYPES, QK, dequantize, row_bytes
+from loraplex.ops.gguf import kquant_kernel
+from loraplex.ops.gguf.formats import K_TYPES, NATIVE_TYPES, block_values, dequantize, row_bytes
 
 _KERNEL_SOURCE = Path(__file__).with_name("block_gemm.cpp")
 
@@ -67,12 +70,12 @@ class BlockWeight:
     @classmethod
     def from_rows(cls, parts: Sequence[tuple[str, torch.Tensor]], in_features: int) -> BlockWeight:
         """``parts``: ``(type, rows)`` in output order (e.g. q, k, v); consecutive parts of one type are joined."""
-        if in_features % QK:
-            raise ValueError(f"in_features {in_features} is not a multiple of {QK}")
         merged: list[tuple[str, list[torch.Tensor]]] = []
         for qtype, rows in parts:
             if qtype not in NATIVE_TYPES:
                 raise ValueError(f"not a natively served GGUF type: {qtype!r}")
+            if in_features % block_values(qtype):
+                raise ValueError(f"in_features {in_features} is not a multiple of {qtype}'s {block_values(qtype)}")
             if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != row_bytes(qtype, in_features):
                 raise ValueError(f"{qtype} rows of {in_features} values must be uint8 [n, "
                                  f"{row_bytes(qtype, in_features)}], got {rows.dtype} {tuple(rows.shape)}")
@@ -98,14 +101,19 @@ class BlockWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [T, in] @ dense()^T + bias -> [T, out]``."""
-        module = kernel() if x.device.type == "cpu" else None
-        if module is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1:
+        modules = [_segment_kernel(s.qtype) if x.device.type == "cpu" else None for s in self.segments]
+        if None in modules or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1:
             return F.linear(x, self.dense(x.dtype), bias)
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         lo = 0
-        for s in self.segments:
+        for s, module in zip(self.segments, modules, strict=True):
             hi = lo + s.data.shape[0]
             module.linear_into(x, s.data, NATIVE_TYPES[s.qtype][0], y[:, lo:hi],
                                None if bias is None else bias[lo:hi])
             lo = hi
         return y
+
+
+def _segment_kernel(qtype: str) -> ModuleType | None:
+    """The kernel that multiplies ``qtype`` rows on this CPU (None: dequantize per call)."""
+    return kquant_kernel.kernel() if qtype in K_TYPES else kernel()
