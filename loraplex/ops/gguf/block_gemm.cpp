@@ -104,6 +104,32 @@ enum class Type { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
 template <Type T>
 struct Block;
 
+#ifdef __AVX512F__
+// A 4-bit block as a lookup: `table` holds its 16 possible values (computed with the operations above), and
+// vpermps picks each value's by the low 4 bits of its lane: one widening of the 16 bytes, two permutes.
+inline void nibble_lookup(const uint8_t* qs, V table, V* w) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  w[0] = _mm512_permutexvar_ps(b, table);                        // low nibbles: values 0..15
+  w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);  // high nibbles: values 16..31
+}
+inline V iota(float first) {
+  return _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), vset1(first));
+}
+
+template <>
+struct Block<Type::Q4_0> {
+  static constexpr int64_t kBytes = 18;
+  static inline void load(const uint8_t* p, V* w) { nibble_lookup(p + 2, vmul(vset1(f16(p)), iota(-8.0f)), w); }
+};
+
+template <>
+struct Block<Type::Q4_1> {
+  static constexpr int64_t kBytes = 20;
+  static inline void load(const uint8_t* p, V* w) {
+    nibble_lookup(p + 4, vadd(vmul(vset1(f16(p)), iota(0.0f)), vset1(f16(p + 2))), w);
+  }
+};
+#else
 template <>
 struct Block<Type::Q4_0> {
   static constexpr int64_t kBytes = 18;
@@ -128,6 +154,7 @@ struct Block<Type::Q4_1> {
     for (int v = 0; v < kVecs; ++v) w[v] = vadd(vmul(d, w[v]), m);
   }
 };
+#endif
 
 template <>
 struct Block<Type::Q8_0> {
