@@ -112,6 +112,12 @@ inline void nibble_lookup(const uint8_t* qs, V table, V* w) {
   w[0] = _mm512_permutexvar_ps(b, table);                        // low nibbles: values 0..15
   w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);  // high nibbles: values 16..31
 }
+// The float16 at p, converted in every lane (a 16-bit broadcast, then one vector conversion).
+inline V vset1_f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h)));
+}
 inline V iota(float first) {
   return _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), vset1(first));
 }
@@ -119,14 +125,14 @@ inline V iota(float first) {
 template <>
 struct Block<Type::Q4_0> {
   static constexpr int64_t kBytes = 18;
-  static inline void load(const uint8_t* p, V* w) { nibble_lookup(p + 2, vmul(vset1(f16(p)), iota(-8.0f)), w); }
+  static inline void load(const uint8_t* p, V* w) { nibble_lookup(p + 2, vmul(vset1_f16(p), iota(-8.0f)), w); }
 };
 
 template <>
 struct Block<Type::Q4_1> {
   static constexpr int64_t kBytes = 20;
   static inline void load(const uint8_t* p, V* w) {
-    nibble_lookup(p + 4, vadd(vmul(vset1(f16(p)), iota(0.0f)), vset1(f16(p + 2))), w);
+    nibble_lookup(p + 4, vadd(vmul(vset1_f16(p), iota(0.0f)), vset1_f16(p + 2)), w);
   }
 };
 #else
