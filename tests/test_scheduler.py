@@ -63,9 +63,10 @@ class Slots:
 
 
 def make(max_loras: int, max_num_seqs: int, max_skip_steps: int = 64, blocks: int = 4096, adapters: int = 10,
-         max_cpu_loras: int = 64) -> tuple[Scheduler, Slots]:
+         max_cpu_loras: int = 64, max_num_batched_tokens: int | None = None) -> tuple[Scheduler, Slots]:
+    budget = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
     config = EngineConfig(max_loras=max_loras, max_cpu_loras=max(max_loras, max_cpu_loras), max_num_seqs=max_num_seqs,
-                          max_skip_steps=max_skip_steps)
+                          max_skip_steps=max_skip_steps, **budget)
     slots = Slots(max_loras, config.max_cpu_loras, adapters)
     return Scheduler(config, BlockManager(blocks), slots.manager), slots
 
@@ -138,8 +139,10 @@ def test_strict_mode_admits_only_ride_alongs() -> None:
 
 def test_batch_stays_full_when_adapters_outnumber_slots() -> None:
     """128 requests over 32 adapters (4 each, shuffled), 8 slots, 32 sequences, 64 tokens each: strict
-    mode starts after the first round, and ride-alongs keep the batch nearly full all the same."""
-    scheduler, _ = make(max_loras=8, max_num_seqs=32, max_skip_steps=64, adapters=32)
+    mode starts after the first round, and ride-alongs keep the batch nearly full all the same. The step's
+    token budget is set so that it is not what limits the batch (32 prompts of 30 tokens fit one step): this
+    test is about adapter slots (the default budget's admission in time: docs/server.md, Chunked prefill)."""
+    scheduler, _ = make(max_loras=8, max_num_seqs=32, max_skip_steps=64, adapters=32, max_num_batched_tokens=1024)
     adapters = [i % 32 for i in range(128)]
     random.Random(0).shuffle(adapters)
     reqs = [request(i, a, max_tokens=64, prompt=30) for i, a in enumerate(adapters)]
