@@ -70,10 +70,15 @@ constexpr int kVecs = kQK / kW;  // vectors per block
 constexpr int64_t kPanelN = 64;    // weight rows per dequantized panel (64 x K floats: 144 KiB at K = 576)
 constexpr int64_t kPanelMinM = 8;  // rows of x from which the panel path runs
 
-inline float f16(const uint8_t* p) {
+// The float16 at p, converted in every lane (a 16-bit broadcast, then one vector conversion).
+inline V vset1_f16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
+#ifdef __AVX512F__
+  return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h)));
+#else
+  return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(h)));
+#endif
 }
 
 // The 16 bytes of nibbles -> the low-nibble bytes (values 0..15) and the high-nibble bytes (16..31).
@@ -112,12 +117,6 @@ inline void nibble_lookup(const uint8_t* qs, V table, V* w) {
   w[0] = _mm512_permutexvar_ps(b, table);                        // low nibbles: values 0..15
   w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);  // high nibbles: values 16..31
 }
-// The float16 at p, converted in every lane (a 16-bit broadcast, then one vector conversion).
-inline V vset1_f16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h)));
-}
 inline V iota(float first) {
   return _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), vset1(first));
 }
@@ -144,7 +143,7 @@ struct Block<Type::Q4_0> {
     nibbles(p + 2, lo, hi);
     const __m128i eight = _mm_set1_epi8(8);
     bytes_to_f<true>(_mm_sub_epi8(lo, eight), _mm_sub_epi8(hi, eight), w);
-    const V d = vset1(f16(p));
+    const V d = vset1_f16(p);
     for (int v = 0; v < kVecs; ++v) w[v] = vmul(d, w[v]);
   }
 };
@@ -156,7 +155,7 @@ struct Block<Type::Q4_1> {
     __m128i lo, hi;
     nibbles(p + 4, lo, hi);
     bytes_to_f<false>(lo, hi, w);
-    const V d = vset1(f16(p)), m = vset1(f16(p + 2));
+    const V d = vset1_f16(p), m = vset1_f16(p + 2);
     for (int v = 0; v < kVecs; ++v) w[v] = vadd(vmul(d, w[v]), m);
   }
 };
@@ -169,7 +168,7 @@ struct Block<Type::Q8_0> {
     const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2));
     const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 18));
     bytes_to_f<true>(lo, hi, w);
-    const V d = vset1(f16(p));
+    const V d = vset1_f16(p);
     for (int v = 0; v < kVecs; ++v) w[v] = vmul(d, w[v]);
   }
 };
