@@ -39,9 +39,10 @@ def test_dequantize_is_bitwise_gguf(qtype: str) -> None:
 @pytest.mark.parametrize("isa", BUILDS)
 @pytest.mark.parametrize("qtype", TYPES)
 def test_kernel_builds_match_float64_and_do_not_depend_on_the_batch(isa: str, qtype: str) -> None:
-    """Shapes that exercise every tile (1-33 rows: the decode tile, full and partial row tiles; output rows
-    not a multiple of 4 or 8), strided x, with and without bias; every row of a batch bitwise equal to
-    that row multiplied alone."""
+    """Shapes that exercise every tile (1-33 rows: the decode tile, full and partial row tiles, the
+    dequantized panels from ``panel_min_rows`` rows on; output rows not a multiple of 4 or 8), strided x,
+    with and without bias, each batch against float64; below ``panel_min_rows`` every row of a batch bitwise
+    equal to that row multiplied alone."""
     module = kernel_build(isa)
     assert module is not None
     type_id = NATIVE_TYPES[qtype][0]
@@ -55,10 +56,16 @@ def test_kernel_builds_match_float64_and_do_not_depend_on_the_batch(isa: str, qt
             module.linear_into(x, data, type_id, full, b)
             expected = x.double() @ w.t() + (0 if b is None else b.double())
             torch.testing.assert_close(full.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
-            for rows in (1, 2, 3, 4, 5, 7, 12, 32):
+            alone = torch.empty(33, n)
+            for r in range(33):
+                module.linear_into(x[r : r + 1], data, type_id, alone[r : r + 1], b)
+            for rows in (1, 2, 3, 4, 5, 7, 8, 12, 32):
                 part = torch.empty(rows, n)
                 module.linear_into(x[:rows], data, type_id, part, b)
-                assert torch.equal(part, full[:rows]), (n, k, rows)
+                torch.testing.assert_close(part.double(), expected[:rows], rtol=1e-5,
+                                           atol=1e-5 * float(expected.abs().max()))
+                if rows < module.panel_min_rows:
+                    assert torch.equal(part, alone[:rows]), (n, k, rows)
 
 
 def test_segments_write_their_own_columns_and_the_fallback_agrees(monkeypatch: pytest.MonkeyPatch) -> None:

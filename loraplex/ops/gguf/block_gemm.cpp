@@ -11,13 +11,24 @@
 // is dequantized in registers with exactly those float32 operations (a multiply, then an add: no fused
 // multiply-add), so w is bitwise gguf.quants.dequantize's; the products are then summed with fused
 // multiply-adds into one accumulator vector per output (lane l takes k = l, l + W, ...), whose lanes are
-// added in a fixed order. A result depends on its own row of x alone, whatever M and the tiling.
+// added in a fixed order. Below kPanelMinM rows of x, a result depends on its own row of x alone.
+//
+// From kPanelMinM rows of x on (prefill, large decode batches) dequantizing each block once per tile of
+// kTileM rows costs more than the FMAs it feeds, so the weight is instead dequantized (bitwise the same)
+// kPanelN rows at a time into a cache-resident float32 panel that the BLAS sgemm multiplies with all of x:
+// float math on the dequantized weights, summed in sgemm's order (which may depend on M).
 #include <immintrin.h>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+// The Fortran BLAS sgemm libtorch_cpu exports (ATen's cpublas::gemm is not exported to extensions).
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
 
 namespace {
 
@@ -56,11 +67,18 @@ constexpr int kTileM = 4;  // 8 accumulators + 4 weight vectors + temporaries in
 constexpr int kDecodeN = 8;
 #endif
 constexpr int kVecs = kQK / kW;  // vectors per block
+constexpr int64_t kPanelN = 64;    // weight rows per dequantized panel (64 x K floats: 144 KiB at K = 576)
+constexpr int64_t kPanelMinM = 8;  // rows of x from which the panel path runs
 
-inline float f16(const uint8_t* p) {
+// The float16 at p, converted in every lane (a 16-bit broadcast, then one vector conversion).
+inline V vset1_f16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
+#ifdef __AVX512F__
+  return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h)));
+#else
+  return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(h)));
+#endif
 }
 
 // The 16 bytes of nibbles -> the low-nibble bytes (values 0..15) and the high-nibble bytes (16..31).
@@ -91,6 +109,32 @@ enum class Type { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
 template <Type T>
 struct Block;
 
+#ifdef __AVX512F__
+// A 4-bit block as a lookup: `table` holds its 16 possible values (computed with the operations above), and
+// vpermps picks each value's by the low 4 bits of its lane: one widening of the 16 bytes, two permutes.
+inline void nibble_lookup(const uint8_t* qs, V table, V* w) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  w[0] = _mm512_permutexvar_ps(b, table);                        // low nibbles: values 0..15
+  w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);  // high nibbles: values 16..31
+}
+inline V iota(float first) {
+  return _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), vset1(first));
+}
+
+template <>
+struct Block<Type::Q4_0> {
+  static constexpr int64_t kBytes = 18;
+  static inline void load(const uint8_t* p, V* w) { nibble_lookup(p + 2, vmul(vset1_f16(p), iota(-8.0f)), w); }
+};
+
+template <>
+struct Block<Type::Q4_1> {
+  static constexpr int64_t kBytes = 20;
+  static inline void load(const uint8_t* p, V* w) {
+    nibble_lookup(p + 4, vadd(vmul(vset1_f16(p), iota(0.0f)), vset1_f16(p + 2)), w);
+  }
+};
+#else
 template <>
 struct Block<Type::Q4_0> {
   static constexpr int64_t kBytes = 18;
@@ -99,7 +143,7 @@ struct Block<Type::Q4_0> {
     nibbles(p + 2, lo, hi);
     const __m128i eight = _mm_set1_epi8(8);
     bytes_to_f<true>(_mm_sub_epi8(lo, eight), _mm_sub_epi8(hi, eight), w);
-    const V d = vset1(f16(p));
+    const V d = vset1_f16(p);
     for (int v = 0; v < kVecs; ++v) w[v] = vmul(d, w[v]);
   }
 };
@@ -111,10 +155,11 @@ struct Block<Type::Q4_1> {
     __m128i lo, hi;
     nibbles(p + 4, lo, hi);
     bytes_to_f<false>(lo, hi, w);
-    const V d = vset1(f16(p)), m = vset1(f16(p + 2));
+    const V d = vset1_f16(p), m = vset1_f16(p + 2);
     for (int v = 0; v < kVecs; ++v) w[v] = vadd(vmul(d, w[v]), m);
   }
 };
+#endif
 
 template <>
 struct Block<Type::Q8_0> {
@@ -123,7 +168,7 @@ struct Block<Type::Q8_0> {
     const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2));
     const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 18));
     bytes_to_f<true>(lo, hi, w);
-    const V d = vset1(f16(p));
+    const V d = vset1_f16(p);
     for (int v = 0; v < kVecs; ++v) w[v] = vmul(d, w[v]);
   }
 };
@@ -198,8 +243,45 @@ void run_rows(const Problem& p, int64_t m, int64_t n_begin, int64_t n_end) {
   }
 }
 
+// Weight rows [n0, n0 + rows) dequantized into `panel` [rows, K] (row-major).
+template <Type T>
+void dequantize_panel(const Problem& p, int64_t n0, int64_t rows, float* panel) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = p.w + (n0 + r) * p.row_bytes;
+    float* out = panel + r * p.blocks * kQK;
+    for (int64_t b = 0; b < p.blocks; ++b) {
+      V w[kVecs];
+      Block<T>::load(row + b * Block<T>::kBytes, w);
+      for (int v = 0; v < kVecs; ++v) vstore(out + b * kQK + v * kW, w[v]);
+    }
+  }
+}
+
+// y[:, n0 .. n0 + rows) = x @ panel^T (+ bias) for each panel of kPanelN weight rows, one thread per panel.
+template <Type T>
+void run_panels(const Problem& p, int64_t m, int64_t n) {
+  const int64_t k = p.blocks * kQK;
+  at::parallel_for(0, (n + kPanelN - 1) / kPanelN, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> panel(kPanelN * k);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kPanelN, rows = std::min(kPanelN, n - n0);
+      dequantize_panel<T>(p, n0, rows, panel.data());
+      // column-major view: y^T [rows, m] (ld ldy) = panel^T^T [rows, k] @ x^T [k, m] (ld ldx)
+      const int rn = static_cast<int>(rows), mm = static_cast<int>(m), kk = static_cast<int>(k);
+      const int ldx = static_cast<int>(p.ldx), ldy = static_cast<int>(p.ldy);
+      const float one = 1.0f, zero = 0.0f;
+      sgemm_("T", "N", &rn, &mm, &kk, &one, panel.data(), &kk, p.x, &ldx, &zero, p.y + n0, &ldy);
+      if (p.bias) {
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t j = 0; j < rows; ++j) p.y[r * p.ldy + n0 + j] += p.bias[n0 + j];
+      }
+    }
+  });
+}
+
 template <Type T>
 void run(const Problem& p, int64_t m, int64_t n) {
+  if (m >= kPanelMinM) return run_panels<T>(p, m, n);
   // Threads take whole tiles of weight rows; every output is computed the same way in any split.
   at::parallel_for(0, (n + kDecodeN - 1) / kDecodeN, 1, [&](int64_t t0, int64_t t1) {
     run_rows<T>(p, m, t0 * kDecodeN, std::min<int64_t>(n, t1 * kDecodeN));
@@ -247,4 +329,5 @@ void linear_into(const torch::Tensor& x, const torch::Tensor& w, int64_t type, t
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_into", &linear_into, "y = x @ dequantize(w)^T + bias for GGUF Q4_0 / Q4_1 / Q8_0 rows");
+  m.attr("panel_min_rows") = kPanelMinM;
 }

@@ -87,9 +87,19 @@ class BlockWeight:
                          for t, r in merged)
         return cls(segments, in_features)
 
-    @property
+    @functools.cached_property
     def out_features(self) -> int:
         return sum(s.data.shape[0] for s in self.segments)
+
+    @functools.cached_property
+    def _kernel_segments(self) -> tuple[tuple[int, int, int, torch.Tensor], ...]:
+        """Per segment ``(first column, end column, GGML type id, rows)``, computed once (decode calls
+        ``linear`` ~120 times a step)."""
+        parts, lo = [], 0
+        for s in self.segments:
+            parts.append((lo, lo + s.data.shape[0], NATIVE_TYPES[s.qtype][0], s.data))
+            lo += s.data.shape[0]
+        return tuple(parts)
 
     @property
     def nbytes(self) -> int:
@@ -105,12 +115,12 @@ class BlockWeight:
         if None in modules or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1:
             return F.linear(x, self.dense(x.dtype), bias)
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        lo = 0
-        for s, module in zip(self.segments, modules, strict=True):
-            hi = lo + s.data.shape[0]
-            module.linear_into(x, s.data, NATIVE_TYPES[s.qtype][0], y[:, lo:hi],
-                               None if bias is None else bias[lo:hi])
-            lo = hi
+        segments = self._kernel_segments
+        if len(segments) == 1:
+            modules[0].linear_into(x, segments[0][3], segments[0][2], y, bias)
+            return y
+        for (lo, hi, type_id, data), module in zip(segments, modules, strict=True):
+            module.linear_into(x, data, type_id, y[:, lo:hi], None if bias is None else bias[lo:hi])
         return y
 
 
