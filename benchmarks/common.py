@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from loraplex.config import PROJECTIONS, ModelConfig
+from loraplex.engine.engine import Engine
 from loraplex.layers.lora_linear import LoRALinear
 from loraplex.ops.dense import dense_linear
 
@@ -110,6 +111,33 @@ def step_header(args: argparse.Namespace) -> str:
     """The first line of a step benchmark's table: machine, load, batch, iterations, clock."""
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return f"# {machine_line()} (load {load}); batch {args.batch}, {args.iters} interleaved steps, {args.clock} clock"
+
+
+def time_decode_steps(engine: Engine, batch: int) -> tuple[list[float], Callable[[], None]]:
+    """Wrap ``engine``'s ``scheduler.schedule`` and ``step``: the wall ms of every step that decoded exactly
+    ``batch`` sequences, a token each, are appended to the list returned; the callable unwraps both."""
+    times: list[float] = []
+    shape: list[tuple[int, int]] = []  # the last schedule's (sequences, tokens)
+    schedule, step = engine.scheduler.schedule, engine.step
+
+    def schedule_hook():  # noqa: ANN202
+        scheduled = schedule()
+        shape.append((len(scheduled), sum(s.num_tokens for s in scheduled)))
+        return scheduled
+
+    def step_hook():  # noqa: ANN202
+        start = time.perf_counter()
+        out = step()
+        if shape and shape[-1][0] == shape[-1][1] == batch:
+            times.append((time.perf_counter() - start) * 1e3)
+        shape.clear()
+        return out
+
+    def restore() -> None:
+        engine.scheduler.schedule, engine.step = schedule, step
+
+    engine.scheduler.schedule, engine.step = schedule_hook, step_hook
+    return times, restore
 
 
 def write_json(path: str | None, result: dict) -> None:

@@ -33,7 +33,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from benchmarks.common import chat_prompts, machine_line, matmul_floors, peak_rss_mib, write_random_adapter
+from benchmarks.common import (
+    chat_prompts,
+    machine_line,
+    matmul_floors,
+    peak_rss_mib,
+    time_decode_steps,
+    write_random_adapter,
+)
 from loraplex import LLM, SamplingParams
 from loraplex.config import ModelConfig
 from loraplex.models.embedded import embedded_checkpoint
@@ -41,30 +48,12 @@ from loraplex.models.embedded import embedded_checkpoint
 
 def timed_generate(llm: LLM, prompts: list[list[int]], adapters: list[str | None], tokens: int) -> dict:
     """Run the workload; record per-step wall time for full-batch decode-only steps."""
-    engine = llm.engine
-    decode_steps: list[float] = []
-    schedule, step = engine.scheduler.schedule, engine.step
-    shape: list[tuple[int, int]] = []
-
-    def schedule_hook():  # noqa: ANN202
-        batch = schedule()
-        shape.append((len(batch), sum(s.num_tokens for s in batch)))
-        return batch
-
-    def step_hook():  # noqa: ANN202
-        start = time.perf_counter()
-        out = step()
-        if shape and shape[-1][0] == shape[-1][1] == 32:
-            decode_steps.append((time.perf_counter() - start) * 1e3)
-        shape.clear()
-        return out
-
-    engine.scheduler.schedule, engine.step = schedule_hook, step_hook
+    decode_steps, restore = time_decode_steps(llm.engine, 32)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, adapters=adapters, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    engine.scheduler.schedule, engine.step = schedule, step
+    restore()
     generated = sum(len(o.token_ids) for o in outs)
     return {"tok_s": generated / elapsed, "seconds": elapsed, "generated": generated,
             "decode_step_ms": statistics.median(decode_steps) if decode_steps else None}

@@ -47,6 +47,18 @@ def random_k_blocks(rows: int, cols: int, qtype: str, seed: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def checked_kernel_product(module: object, x: torch.Tensor, data: torch.Tensor, type_id: int, w: torch.Tensor,
+                           bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``module.linear_into`` (a GGUF block or K-quant kernel build) on every row of ``x``, checked against
+    the float64 product ``x @ w^T + bias`` with ``w`` the float64 dequantized weight; (its result, that
+    float64 product)."""
+    result = torch.empty(x.shape[0], data.shape[0])
+    module.linear_into(x, data, type_id, result, bias)  # type: ignore[attr-defined]
+    expected = x.double() @ w.t() + (0 if bias is None else bias.double())
+    torch.testing.assert_close(result.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    return result, expected
+
+
 def _stored(name: str, w: np.ndarray, qtype: str, seed: int) -> tuple[np.ndarray, GGMLQuantizationType]:
     kind = getattr(GGMLQuantizationType, qtype)
     if w.ndim == 1 or qtype == "F32":

@@ -14,6 +14,7 @@ from gguf.quants import quantize as gguf_quantize
 from loraplex.ops.gguf import block_weight
 from loraplex.ops.gguf.block_weight import BlockWeight, kernel, kernel_build
 from loraplex.ops.gguf.formats import NATIVE_TYPES, dequantize
+from tests.gguf_fixtures import checked_kernel_product
 
 TYPES = [t for t in NATIVE_TYPES if not t.endswith("_K")]  # K-quants: tests/test_gguf_kquant.py
 BUILDS = ["avx2", "avx512"] if torch.backends.cpu.get_cpu_capability() == "AVX512" else ["avx2"]
@@ -52,10 +53,7 @@ def test_kernel_builds_match_float64_and_do_not_depend_on_the_batch(isa: str, qt
         x = torch.randn(33, k + 3, generator=gen)[:, 3:]  # strided rows, as in the model
         w = dequantize(data, qtype).double()
         for b in (bias, None):
-            full = torch.empty(33, n)
-            module.linear_into(x, data, type_id, full, b)
-            expected = x.double() @ w.t() + (0 if b is None else b.double())
-            torch.testing.assert_close(full.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+            full, expected = checked_kernel_product(module, x, data, type_id, w, b)
             alone = torch.empty(33, n)
             for r in range(33):
                 module.linear_into(x[r : r + 1], data, type_id, alone[r : r + 1], b)

@@ -22,7 +22,7 @@ from loraplex.ops.gguf import block_weight, kquant_kernel
 from loraplex.ops.gguf.block_weight import BlockWeight
 from loraplex.ops.gguf.formats import K_TYPES, NATIVE_TYPES, dequantize
 from tests.fixtures import write_tiny_model
-from tests.gguf_fixtures import random_k_blocks, write_tiny_gguf
+from tests.gguf_fixtures import checked_kernel_product, random_k_blocks, write_tiny_gguf
 
 TYPES = sorted(K_TYPES)
 BUILDS = ["avx2", "avx512"] if torch.backends.cpu.get_cpu_capability() == "AVX512" else ["avx2"]
@@ -61,10 +61,7 @@ def test_kernel_builds_match_float64_and_do_not_depend_on_the_batch(isa: str, qt
         x = torch.randn(33, k + 3, generator=gen)[:, 3:]
         w = dequantize(data, qtype).double()
         for b in (bias, None):
-            full = torch.empty(33, n)
-            module.linear_into(x, data, type_id, full, b)
-            expected = x.double() @ w.t() + (0 if b is None else b.double())
-            torch.testing.assert_close(full.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+            full, expected = checked_kernel_product(module, x, data, type_id, w, b)
             for rows in (1, 2, 5, 7, 32):
                 part = torch.empty(rows, n)
                 module.linear_into(x[:rows], data, type_id, part, b)

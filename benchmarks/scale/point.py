@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from benchmarks.common import matmul_floors, peak_rss_mib
+from benchmarks.common import matmul_floors, peak_rss_mib, time_decode_steps
 from benchmarks.scale import adapters as adapter_files
 from benchmarks.scale.models import MODELS, checkpoint, parameter_count
 from loraplex import LLM, SamplingParams
@@ -61,28 +61,6 @@ def kv_bytes(config: ModelConfig, point: Point) -> int:
     return int(per_token * (tokens * 1.25 + 64 * 16))
 
 
-def step_timer(llm: LLM, batch: int) -> list[float]:
-    """Wrap the engine's schedule/step: wall ms of every step that decoded exactly ``batch`` sequences."""
-    engine, times, shape = llm.engine, [], []
-    schedule, step = engine.scheduler.schedule, engine.step
-
-    def schedule_hook():  # noqa: ANN202
-        scheduled = schedule()
-        shape.append((len(scheduled), sum(s.num_tokens for s in scheduled)))
-        return scheduled
-
-    def step_hook():  # noqa: ANN202
-        start = time.perf_counter()
-        out = step()
-        if shape and shape[-1][0] == shape[-1][1] == batch:
-            times.append((time.perf_counter() - start) * 1e3)
-        shape.clear()
-        return out
-
-    engine.scheduler.schedule, engine.step = schedule_hook, step_hook
-    return times
-
-
 def gemm_floor(llm: LLM, batch: int, repeats: int = 5) -> float:
     """Median ms of one decode step's matmuls alone (loraplex's packed kernels) at ``batch`` tokens."""
     loop = matmul_floors(llm.engine.model, batch)["packed_gemm_floor"]
@@ -109,7 +87,7 @@ def measure(point: Point) -> dict:
     drawn = adapter_files.zipf(names, point.requests, rng) if names else [None] * point.requests
     warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, warm, adapters=drawn, use_tqdm=False)  # kernels at this shape; adapters into the cache
-    steps = step_timer(llm, point.concurrency)
+    steps, _ = time_decode_steps(llm.engine, point.concurrency)
     params = SamplingParams(max_tokens=point.new_tokens, temperature=0.0, ignore_eos=True)
     start, cpu_start = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, adapters=drawn, use_tqdm=False)

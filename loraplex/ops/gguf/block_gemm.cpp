@@ -21,6 +21,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "gemm_problem.h"
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -182,15 +184,7 @@ inline float lanes_sum(V a) {
   return s;
 }
 
-struct Problem {
-  const float* x;
-  int64_t ldx;
-  const uint8_t* w;
-  int64_t row_bytes, blocks;  // per weight row
-  float* y;
-  int64_t ldy;
-  const float* bias;
-};
+using loraplex_gguf::Problem;
 
 // Outputs y[r0 .. r0 + RM, n0 .. n0 + RN): RN weight rows (each block dequantized once) times RM rows of x.
 template <Type T, int RN, int RM>
@@ -302,24 +296,10 @@ int64_t block_bytes(int64_t type) {
 // y [M, N] (a view with unit inner stride, written) = x [M, K] @ dequantize(w)^T (+ bias [N]).
 void linear_into(const torch::Tensor& x, const torch::Tensor& w, int64_t type, torch::Tensor& y,
                  const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
-              "block_gemm: x must be [M, K] float32 with unit inner stride");
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0), bb = block_bytes(type);
-  TORCH_CHECK(k % kQK == 0, "block_gemm: K must be a multiple of 32");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(1) == k / kQK * bb,
-              "block_gemm: w must be contiguous uint8 [N, K / 32 * block bytes]");
-  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == torch::kFloat && y.size(0) == m && y.size(1) == n && y.stride(1) == 1,
-              "block_gemm: y must be [M, N] float32 with unit inner stride");
-  const float* bias_ptr = nullptr;
-  torch::Tensor bias_c;
-  if (bias.has_value() && bias->defined()) {
-    bias_c = bias->contiguous();
-    TORCH_CHECK(bias_c.scalar_type() == torch::kFloat && bias_c.numel() == n, "block_gemm: bias must be float32 [N]");
-    bias_ptr = bias_c.data_ptr<float>();
-  }
+  torch::Tensor bias_keep;
+  const Problem p = loraplex_gguf::checked_problem("block_gemm", x, w, y, bias, kQK, block_bytes(type), bias_keep);
+  const int64_t m = x.size(0), n = w.size(0);
   if (m == 0 || n == 0) return;
-  const Problem p{x.data_ptr<float>(), x.stride(0), w.data_ptr<uint8_t>(), w.size(1), k / kQK,
-                  y.data_ptr<float>(), y.stride(0), bias_ptr};
   switch (static_cast<Type>(type)) {
     case Type::Q4_0: return run<Type::Q4_0>(p, m, n);
     case Type::Q4_1: return run<Type::Q4_1>(p, m, n);

@@ -13,6 +13,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "gemm_problem.h"
+
 #include <cstdint>
 #include <cstring>
 
@@ -128,15 +130,7 @@ inline float lanes_sum(V a) {
   return s;
 }
 
-struct Problem {
-  const float* x;
-  int64_t ldx;
-  const uint8_t* w;
-  int64_t row_bytes, blocks;
-  float* y;
-  int64_t ldy;
-  const float* bias;
-};
+using loraplex_gguf::Problem;
 
 // Outputs y[r0 .. r0 + rm, n0 .. n0 + RN) (rm <= kTileM): each super-block of the RN rows dequantized once.
 template <Type T, int RN>
@@ -188,24 +182,10 @@ int64_t super_bytes(int64_t type) {
 // y [M, N] (a view with unit inner stride, written) = x [M, K] @ dequantize(w)^T (+ bias [N]).
 void linear_into(const torch::Tensor& x, const torch::Tensor& w, int64_t type, torch::Tensor& y,
                  const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
-              "kquant_gemm: x must be [M, K] float32 with unit inner stride");
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0), bb = super_bytes(type);
-  TORCH_CHECK(k % kQKK == 0, "kquant_gemm: K must be a multiple of 256");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(1) == k / kQKK * bb,
-              "kquant_gemm: w must be contiguous uint8 [N, K / 256 * super-block bytes]");
-  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == torch::kFloat && y.size(0) == m && y.size(1) == n && y.stride(1) == 1,
-              "kquant_gemm: y must be [M, N] float32 with unit inner stride");
-  const float* bias_ptr = nullptr;
-  torch::Tensor bias_c;
-  if (bias.has_value() && bias->defined()) {
-    bias_c = bias->contiguous();
-    TORCH_CHECK(bias_c.scalar_type() == torch::kFloat && bias_c.numel() == n, "kquant_gemm: bias must be float32 [N]");
-    bias_ptr = bias_c.data_ptr<float>();
-  }
+  torch::Tensor bias_keep;
+  const Problem p = loraplex_gguf::checked_problem("kquant_gemm", x, w, y, bias, kQKK, super_bytes(type), bias_keep);
+  const int64_t m = x.size(0), n = w.size(0);
   if (m == 0 || n == 0) return;
-  const Problem p{x.data_ptr<float>(), x.stride(0), w.data_ptr<uint8_t>(), w.size(1), k / kQKK,
-                  y.data_ptr<float>(), y.stride(0), bias_ptr};
   switch (static_cast<Type>(type)) {
     case Type::Q4_K: return run<Type::Q4_K>(p, m, n);
     case Type::Q5_K: return run<Type::Q5_K>(p, m, n);
