@@ -1,7 +1,7 @@
 """loraplex: serve many LoRA adapters over one base LLM, mixed in one batch."""
 
 from loraplex.client.adapter_mix import AdapterMix
-from loraplex.client.output import EmbeddingOutput, RequestOutput
+from loraplex.client.output import ClassificationOutput, EmbeddingOutput, RequestOutput
 from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.pooling.params import PoolingParams
 from loraplex.engine.request import SamplingParams
@@ -36,7 +36,7 @@ def __getattr__(name: str):  # noqa: ANN202 - lazy: importing loraplex must not 
 
 
 __all__ = [
-    "StructuredOutputsParams", "AdapterMix", "PoolingParams", "EmbeddingOutput",
+    "StructuredOutputsParams", "AdapterMix", "PoolingParams", "EmbeddingOutput", "ClassificationOutput",
     "LLM", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutput", "LoraplexError", "AdapterError",
     "AdapterNotFound", "InvalidAdapter", "AdapterRankTooLarge", "UnsupportedAdapter", "AdapterShapeMismatch",
     "AdapterAlreadyLoaded", "UnknownAdapter", "AdapterContentChanged", "AdapterMemoryBudgetExceeded", "ModelError",

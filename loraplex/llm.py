@@ -23,7 +23,7 @@ from loraplex.adapters.info import AdapterInfo
 from loraplex.client.adapter_mix import AdapterMix, mixed
 from loraplex.client.directory import Version
 from loraplex.client.inproc import engine_directory, sync_directory
-from loraplex.client.output import EmbeddingOutput, OutputProcessor, RequestOutput
+from loraplex.client.output import ClassificationOutput, EmbeddingOutput, OutputProcessor, RequestOutput
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
 from loraplex.engine.pooling.params import PoolingParams
@@ -108,6 +108,11 @@ class LLM:
         names = _per_prompt(adapters, len(prompts), "adapters")
         sync_directory(self.directory, self.engine)
         versions = [self._route(name) for name in names]  # once per prompt, first
+        return self._generate_on(prompts, params, versions, use_tqdm)
+
+    def _generate_on(self, prompts: Sequence[str | list[int]], params: Sequence[SamplingParams],
+                     versions: Sequence[Version], use_tqdm: bool) -> list[RequestOutput]:
+        """``generate`` of prompts already routed: prompt i runs on ``versions[i]``."""
         processor = OutputProcessor()
         items, ids = [], []
         for prompt, p, version in zip(prompts, params, versions, strict=True):
@@ -148,6 +153,30 @@ class LLM:
             pooling = PoolingParams(default.pooling_type or "last", default.normalize)
         params = SamplingParams(max_tokens=0, pooling=pooling)
         return [EmbeddingOutput.of(out) for out in self.generate(prompts, params, adapters, use_tqdm)]
+
+    def classify(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        adapters: str | Sequence[str] = (),
+        use_tqdm: bool = True,
+    ) -> list[ClassificationOutput]:
+        """One classification per prompt, in prompt order, by its adapter's classification head (a PEFT
+        ``SEQ_CLS`` adapter: ``PoolingParams(classify=True)``, a prefill-only row batched with whatever else runs):
+        its logits, softmax probabilities and most probable class name, all of the version it was routed to
+        once. Raises ``RequestError`` for an adapter without a head, else the first request's error."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        names = _per_prompt(adapters, len(prompts), "adapters")
+        sync_directory(self.directory, self.engine)
+        versions = [self._route(name) for name in names]  # once per prompt: its head's labels are that version's
+        for name, version in zip(names, versions, strict=True):
+            if version.class_labels is None:
+                raise RequestError(f"adapter {name!r} has no classification head (a PEFT SEQ_CLS adapter saves "
+                                   "'score' or 'classifier' in modules_to_save)", "adapters")
+        params = SamplingParams(max_tokens=0, pooling=PoolingParams("last", normalize=False, classify=True))
+        outs = self._generate_on(prompts, [params] * len(prompts), versions, use_tqdm)  # type: ignore[arg-type]
+        return [ClassificationOutput.of(out, version.class_labels or ())
+                for out, version in zip(outs, versions, strict=True)]
 
     def _run(self, processor: OutputProcessor, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         """Step until ``total`` requests finished; their final outputs by id."""

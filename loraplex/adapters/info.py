@@ -28,6 +28,13 @@ class AdapterInfo:
     scalable: bool = True  # a lora_scale or adapter mix can weight it (``AdapterWeights.scalable``)
     # aLoRA: its delta applies from the last occurrence of these token ids in a request's prompt on (else None)
     alora_invocation_tokens: tuple[int, ...] | None = None
+    # a SEQ_CLS adapter's classification head (``reading.weights.ScoreHead``), read with this version; else None
+    score_head: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def class_labels(self) -> tuple[str, ...] | None:
+        """Its classification head's class names, or None (no head)."""
+        return None if self.score_head is None else self.score_head.class_labels
 
 
 @dataclass

@@ -122,7 +122,7 @@ class AdapterManager:
             self._check_name_free(name, weights.path, new_version)
             info = AdapterInfo(name, weights.path, self._next_id, weights.content_hash, weights.max_rank,
                                weights.vocab_size, weights.saved_bytes, weights.uses_dora, tokenizer, time.time(),
-                               roots, in_memory, weights.scalable and alora is None, alora)
+                               roots, in_memory, weights.scalable and alora is None, alora, weights.score_head)
             self.budget.reserve(info.version_id, info.saved_bytes, f"{weights.path}: adapter {name!r}")
             self._next_id += 1
             self._infos[info.version_id] = info

@@ -44,6 +44,7 @@ class HeldVersion:
     vocab_size: int | None  # its vocabulary when it adds tokens, else None (the base model's)
     has_tokenizer: bool  # it ships its own tokenizer or chat template (read from ``path``)
     roots: tuple[str, ...] | None = None  # the allowed roots it was loaded under (a re-read keeps them)
+    class_labels: tuple[str, ...] | None = None  # its classification head's class names (a SEQ_CLS adapter), else None
 
 
 @dataclass(frozen=True)
@@ -228,4 +229,4 @@ class VersionTable:
 
 def _held_version(info: AdapterInfo) -> HeldVersion:
     return HeldVersion(info.version_id, info.name, info.content_hash, str(info.path), info.vocab_size,
-                       info.tokenizer is not None, info.roots)
+                       info.tokenizer is not None, info.roots, info.class_labels)

@@ -46,6 +46,7 @@ class Version:
     # the request's LoRA plan when it is not this version at scale 1 (``client/adapter_mix.py``): a lora_scale on
     # it, or an adapter mix (``version_id`` None, ``name`` its members' names joined by "+")
     plan: tuple[tuple[int, float], ...] | None = None
+    class_labels: tuple[str, ...] | None = None  # its classification head's class names (None: it has no head)
 
     @property
     def label(self) -> str:
@@ -57,7 +58,7 @@ class Version:
     def portable(self) -> Version:
         """This version without its tokenizer object, to hand to another process."""
         return Version(self.version_id, self.name, self.content_hash, self.vocab_size, None, self.tokenizer_folder,
-                       self.tokenizer_roots, self.plan)
+                       self.tokenizer_roots, self.plan, self.class_labels)
 
 
 TokenizerReader = Callable[[HeldVersion], Any]  # a held version that ships a tokenizer -> that tokenizer
@@ -160,4 +161,4 @@ class AdapterDirectory:
         tokenizer = self._read_tokenizer(held) if held.has_tokenizer else None
         return Version(held.version_id, held.name, held.content_hash, held.vocab_size or self.base.vocab_size,
                        tokenizer if tokenizer is not None else self.base.tokenizer,
-                       held.path if tokenizer is not None else None, held.roots)
+                       held.path if tokenizer is not None else None, held.roots, class_labels=held.class_labels)

@@ -20,6 +20,7 @@ One thread calls ``process``; ``add`` and ``drop`` may come from others; one loc
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -76,6 +77,37 @@ class EmbeddingOutput:
         if out.embedding is None:
             raise RuntimeError(f"request {out.request_id} finished ({out.finish_reason}) without an embedding")
         return cls(out.request_id, out.adapter, out.prompt_token_ids, out.embedding)
+
+
+def softmax(logits: list[float]) -> list[float]:
+    """``exp(z - max z) / sum exp(z - max z)``, in float64."""
+    top = max(logits)
+    exps = [math.exp(z - top) for z in logits]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+@dataclass(frozen=True)
+class ClassificationOutput:
+    """One prompt's classification (``LLM.classify``): its adapter's name, prompt token ids, the head's
+    ``logits [num_labels]``, ``probs = softmax(logits)`` and ``label``, the most probable class's name."""
+
+    request_id: str
+    adapter: str | None
+    prompt_token_ids: list[int]
+    logits: list[float]
+    probs: list[float]
+    label: str
+
+    @classmethod
+    def of(cls, out: RequestOutput, class_labels: tuple[str, ...]) -> ClassificationOutput:
+        """The classification of a finished classifying request (``class_labels``: its version's); its error if
+        it failed."""
+        embedded = EmbeddingOutput.of(out)
+        logits = embedded.embedding
+        probs = softmax(logits)
+        best = max(range(len(probs)), key=probs.__getitem__)
+        return cls(out.request_id, out.adapter, out.prompt_token_ids, logits, probs, class_labels[best])
 
 
 _INCOMPLETE = "\ufffd"

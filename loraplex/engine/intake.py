@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from loraplex.adapters.info import AdapterInfo
 from loraplex.adapters.manager import AdapterManager
+from loraplex.adapters.reading.weights import ScoreHead
 from loraplex.config import EngineConfig
 from loraplex.engine.lora_plan import check_members, check_plan
 from loraplex.engine.request import KVOwner, NewRequest, Request, RequestTags, check_context_length
@@ -124,6 +125,8 @@ class RequestIntake:
                                   tags.tenant)
             if held and held[0].alora_invocation_tokens is not None:
                 request.alora_start = self._invocation_point(held[0], request.prompt_token_ids)
+            if request.pool is not None and request.params.pooling.classify:
+                request.pool.head = self._head(item, held)
         except BaseException:
             if request is not None and request.grammar is not None:
                 request.grammar.abandon()
@@ -133,6 +136,19 @@ class RequestIntake:
         request.holds_version = bool(held)
         request.tenant, request.priority = tags.tenant, tags.priority
         return request
+
+    @staticmethod
+    def _head(item: NewRequest, held: list[AdapterInfo]) -> ScoreHead:
+        """The classification head a classifying request reads: its one version's (held: it stays this version's
+        for the request's life); ``RequestError`` on ``model`` for the base model, a blend or a scaled adapter,
+        or a version without one."""
+        if item.plan is not None or len(held) != 1:
+            raise RequestError("classification reads one adapter's classification head: name a SEQ_CLS adapter "
+                               "as the model (not the base model, a lora_scale or an adapter_mix)", "model")
+        if held[0].score_head is None:
+            raise RequestError(f"adapter {held[0].name!r} has no classification head (a PEFT SEQ_CLS adapter saves "
+                               "'score' or 'classifier' in modules_to_save)", "model")
+        return held[0].score_head
 
     @staticmethod
     def _invocation_point(info: AdapterInfo, token_ids: list[int]) -> int:

@@ -7,6 +7,7 @@
 - ``routes/adapters.py``: adapter management and versions;
 - ``routes/tokenize.py``: ``POST /tokenize``, ``POST /detokenize``;
 - ``routes/embeddings.py``: ``POST /v1/embeddings``;
+- ``routes/scoring.py``: ``POST /classify``, ``/score``, ``/rerank`` (vLLM's; also under ``/v1``);
 - ``routes/ops.py``: ``GET /health``, ``GET /metrics``;
 - ``routes/playground.py``: ``GET /`` and ``GET /v1/slots``; ``openai/openapi.py``: ``GET /openapi.json``.
 
@@ -48,9 +49,10 @@ from loraplex.server.openai.openapi import install_openapi
 from loraplex.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from loraplex.server.openai.reasoning import REASONING_PARSERS
 from loraplex.server.openai.responses_api.request import ResponsesRequest
+from loraplex.server.openai.scoring import ClassificationRequest, RerankRequest, ScoreRequest
 from loraplex.server.openai.tool_parsers import PARSERS
 from loraplex.server.prepare.preparer import PrepareConfig, RequestPreparer
-from loraplex.server.routes import adapters, embeddings, generate, models, ops, responses, tokenize
+from loraplex.server.routes import adapters, embeddings, generate, models, ops, responses, scoring, tokenize
 from loraplex.server.routes.ops import DEFAULT_STALL_TIMEOUT_S
 from loraplex.server.routes.playground import mount_playground
 from loraplex.server.tenancy.access import AdapterPathPolicy, BearerAuthMiddleware, caller
@@ -61,7 +63,8 @@ from loraplex.server.tracing import RequestTracer
 API_KEY_ENV = "LORAPLEX_API_KEY"
 # the POST bodies routes read by hand (parsed off the event loop), put back into the OpenAPI schema
 READ_BY_HAND = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-                "/v1/responses": ResponsesRequest, "/v1/embeddings": EmbeddingRequest}
+                "/v1/responses": ResponsesRequest, "/v1/embeddings": EmbeddingRequest,
+                "/classify": ClassificationRequest, "/score": ScoreRequest, "/rerank": RerankRequest}
 
 
 def create_app(
@@ -135,7 +138,7 @@ def _install_routes(app: FastAPI, ctx: ServerContext) -> None:
     app.state.on_demand = ctx.on_demand
     mount_playground(app, ctx.client.adapter_snapshot, runtime_adapters=ctx.policy.enabled,
                      may_view=lambda request: caller(request).adapters == ("*",))
-    for routes in (ops, models, generate, responses, tokenize, adapters, embeddings):
+    for routes in (ops, models, generate, responses, tokenize, adapters, embeddings, scoring):
         app.include_router(routes.router)
 
 

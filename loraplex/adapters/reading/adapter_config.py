@@ -1,8 +1,9 @@
 """``adapter_config.json`` normalised once into a frozen ``AdapterConfig``, with PEFT's matching rules.
 
 PEFT options that change the forward pass in ways loraplex does not serve raise ``UnsupportedAdapter``
-naming the option; ``modules_to_save`` and ``trainable_token_indices`` are served for ``embed_tokens``
-and ``lm_head`` only (any other module would replace a whole base layer); ``target_parameters`` for the
+naming the option; ``modules_to_save`` is served for ``embed_tokens``, ``lm_head`` and a ``SEQ_CLS``
+adapter's head (``score`` / ``classifier``), ``trainable_token_indices`` for ``embed_tokens`` and ``lm_head``
+(any other module would replace a whole base layer); ``target_parameters`` for the
 parameters a family lists in ``ModelConfig.parameter_targets`` (MoE experts; ``reading.parameter_targets``).
 
 The config is untrusted input: every field is type-checked here (``InvalidAdapter`` naming it), and its
@@ -23,7 +24,7 @@ from typing import Any
 
 import re2
 
-from loraplex.adapters.reading.weights import VOCAB_MODULES
+from loraplex.adapters.reading.weights import SCORE_HEADS, VOCAB_MODULES
 from loraplex.errors import InvalidAdapter, UnsupportedAdapter
 
 # PEFT options that change the forward pass beyond what loraplex serves: refused when set.
@@ -50,7 +51,7 @@ class AdapterConfig:
     exclude_modules: tuple[str, ...] | str | None
     base_model_name_or_path: str | None
     use_dora: bool = False
-    modules_to_save: tuple[str, ...] = ()  # "embed_tokens" / "lm_head"
+    modules_to_save: tuple[str, ...] = ()  # "embed_tokens" / "lm_head" / "score" / "classifier"
     trainable_tokens: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (vocab module, token ids)
     trainable_tokens_per_module: bool = False  # PEFT's dict form (else a list: the input embedding's)
     ensure_weight_tying: bool = False
@@ -145,10 +146,11 @@ def _modules_to_save(value: Any, folder: str) -> tuple[str, ...]:
     if isinstance(names, str):
         names = (names,)
     for name in names:
-        if name.rsplit(".", 1)[-1] not in VOCAB_MODULES:
+        if name.rsplit(".", 1)[-1] not in VOCAB_MODULES and name not in SCORE_HEADS:
             raise UnsupportedAdapter(
                 f"{folder}: modules_to_save={list(names)!r}: {name!r} is not supported (it replaces a whole "
-                f"base module; loraplex serves saved {' and '.join(VOCAB_MODULES)} only)")
+                f"base module; loraplex serves saved {' and '.join(VOCAB_MODULES)} and a classification head "
+                f"({' or '.join(SCORE_HEADS)}) only)")
     return tuple(dict.fromkeys(n.rsplit(".", 1)[-1] for n in names))
 
 

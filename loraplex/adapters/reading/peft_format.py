@@ -7,7 +7,8 @@ For a module with PEFT rank r and alpha a the served delta is ``x @ A^T @ (s * B
 ``s = a / r`` (``a / sqrt(r)`` with rsLoRA); ``rank_pattern`` / ``alpha_pattern`` override r and a
 per module with PEFT's matching rule (the key matches the module name or a dotted suffix of it).
 DoRA (``use_dora``) adds ``lora_magnitude_vector`` per module. ``embed_tokens`` / ``lm_head`` tensors
-(LoRA, saved matrices, trainable token rows) are resolved by ``vocab_modules``.
+(LoRA, saved matrices, trainable token rows) are resolved by ``vocab_modules``; a ``SEQ_CLS`` adapter's saved
+``score`` / ``classifier`` head by ``score_head``.
 Every error message starts with the folder (or the caller's ``source``) and names the exact problem.
 
 An adapter folder is untrusted input, read with bounded work: every file through ``safe_files``
@@ -40,6 +41,7 @@ from loraplex.adapters.reading.parameter_targets import (
     stack_experts,
 )
 from loraplex.adapters.reading.safe_files import adapter_folder, present, read_file, resolve_roots
+from loraplex.adapters.reading.score_head import check_head_layout, head_labels, read_score_head
 from loraplex.adapters.reading.vocab_modules import (
     Shaped,
     check_layout,
@@ -48,7 +50,15 @@ from loraplex.adapters.reading.vocab_modules import (
     read_vocab_modules,
 )
 from loraplex.adapters.reading.weight_file import WeightFile, open_weight_file
-from loraplex.adapters.reading.weights import VOCAB_MODULES, AdapterWeights, ModuleKey, Pair, VocabModule
+from loraplex.adapters.reading.weights import (
+    SCORE_HEADS,
+    VOCAB_MODULES,
+    AdapterWeights,
+    ModuleKey,
+    Pair,
+    ScoreHead,
+    VocabModule,
+)
 from loraplex.config import ModelConfig, Projection
 from loraplex.errors import AdapterNotFound, AdapterRankTooLarge, InvalidAdapter, UnsupportedAdapter
 
@@ -64,6 +74,7 @@ _KINDS = (
     (re.compile(r"^(?P<module>.+?)(?:\.token_adapter)?\.(?:base_layer|original_module)\.weight$"), "base_layer"),
     (re.compile(r"^(?P<module>.+)\.token_adapter\.trainable_tokens_delta(?:\.[^.]+)?$"), "trainable"),
     (re.compile(r"^(?P<module>.+?)(?:\.modules_to_save(?:\.[^.]+)?)?\.weight$"), "saved"),
+    (re.compile(r"^(?P<module>.+?)(?:\.modules_to_save(?:\.[^.]+)?)?\.bias$"), "bias"),
 )
 # module name -> (key, expected shape per kind, the text explaining them, the name rank/alpha patterns match,
 # experts stacked in the parameter or 0): ``_check_layout``'s verdict
@@ -87,7 +98,8 @@ def read_peft_adapter(path: str | Path, model_config: ModelConfig, max_lora_rank
         weight_file = opened.read()
     if layout is None:
         layout = _check_layout(str(folder), config, weight_file.tensors, model_config, max_lora_rank)
-    return _read(str(folder), raw, config, weight_file, layout, model_config, max_lora_rank)
+    return _read(str(folder), raw, config, weight_file, layout, model_config, max_lora_rank,
+                 head_labels(folder, resolved_roots))
 
 
 def read_peft_adapter_from_tensors(tensors: Mapping[str, torch.Tensor], config: Mapping | str | bytes,
@@ -116,19 +128,22 @@ def _config_object(data: Mapping | bytes, what: str) -> dict:
 
 
 def _read(source: str, raw: dict, config: AdapterConfig, weight_file: WeightFile, layout: Layout,
-          model_config: ModelConfig, max_lora_rank: int) -> AdapterWeights:
+          model_config: ModelConfig, max_lora_rank: int, labels: tuple[str, ...] | None = None) -> AdapterWeights:
     """Validate and fold ``weight_file``'s tensors, whose ``layout`` passed ``_check_layout`` (the vocabulary
-    modules' is checked again as they are read)."""
-    projection_parts, vocab_parts = _classify(source, weight_file.tensors)
+    modules' and the head's are checked again as they are read); ``labels``: the folder's class names."""
+    projection_parts, vocab_parts, head_parts = _classify(source, weight_file.tensors)
     modules, magnitudes, names = _build_modules(source, config, projection_parts, layout,
                                                 in_place=weight_file.flat is not None)
     vocab = read_vocab_modules(source, config, vocab_parts, model_config, max_lora_rank)
-    if not modules and not vocab:
+    score_head = read_score_head(source, head_parts, model_config, labels)
+    if not modules and not vocab and score_head is None:
         raise InvalidAdapter(f"{source}: the adapter applies to zero modules (no LoRA tensors); "
                              "refusing to serve it as the base model")
     _check_bounds(source, modules, magnitudes, names, vocab)
-    if config.alora_invocation_tokens is not None and (vocab or magnitudes or any(a.dim() != 2 for a, _ in
-                                                                                modules.values())):
+    if score_head is not None:
+        check_norms(source, {"classification head weight": score_head.weight})
+    if config.alora_invocation_tokens is not None and (vocab or magnitudes or score_head is not None or any(
+            a.dim() != 2 for a, _ in modules.values())):
         raise UnsupportedAdapter(f"{source}: an aLoRA adapter (alora_invocation_tokens) is served on block projections "
                                  "only: not with embed_tokens / lm_head changes, DoRA or MoE experts")
     ranks = [a.shape[-2] for a, _ in modules.values()] + [v.lora[0].shape[0] for v in vocab.values() if v.lora]
@@ -136,10 +151,11 @@ def _read(source: str, raw: dict, config: AdapterConfig, weight_file: WeightFile
         path=source,
         config=config,
         modules=MappingProxyType(modules),
-        content_hash=_content_hash(raw, modules, magnitudes, vocab),
+        content_hash=_content_hash(raw, modules, magnitudes, vocab, score_head),
         max_rank=max(ranks, default=0),
         magnitudes=MappingProxyType(magnitudes),
         vocab=MappingProxyType(vocab),
+        score_head=score_head,
     )
 
 
@@ -148,11 +164,12 @@ def _check_layout(source: str, config: AdapterConfig, tensors: Mapping[str, Shap
     """Every tensor's name, shape and dtype against what ``config`` and the base can need; reads no value
     (``tensors`` may be a header's declarations). Returns the projections' layout."""
     check_target_parameters(source, config, model_config)
-    projection_parts, vocab_parts = _classify(source, tensors)
+    projection_parts, vocab_parts, head_parts = _classify(source, tensors)
     projections = model_config.projections()
     layout = {module: _module_layout(source, config, module, pair, model_config, projections, max_lora_rank)
               for module, pair in sorted(projection_parts.items())}
     check_vocab_layout(source, config, vocab_parts, model_config, max_lora_rank)
+    check_head_layout(source, head_parts, model_config)
     return layout
 
 
@@ -168,16 +185,20 @@ def _check_bounds(source: str, modules: Mapping[ModuleKey, Pair], magnitudes: Ma
                          **{f"{name} rows": v.rows for name, v in vocab.items() if v.rows is not None}})
 
 
-def _classify(folder: str, tensors: Mapping[str, Shaped]) -> tuple[dict, dict]:
-    """Split tensors (or their declarations) into projection parts ``{module: {kind: tensor}}`` and
-    vocabulary-module parts ``{embed_tokens|lm_head: {kind: (name, tensor)}}``."""
+def _classify(folder: str, tensors: Mapping[str, Shaped]) -> tuple[dict, dict, dict]:
+    """Split tensors (or their declarations) into projection parts ``{module: {kind: tensor}}``,
+    vocabulary-module parts ``{embed_tokens|lm_head: {kind: (name, tensor)}}`` and the classification head's
+    ``{score|classifier: {saved|bias: (name, tensor)}}``."""
     projections: dict[str, dict[str, Shaped]] = {}
     vocab: dict[str, dict[str, tuple[str, Shaped]]] = {}
+    heads: dict[str, dict[str, tuple[str, Shaped]]] = {}
     for key, tensor in tensors.items():
         name = key.removeprefix(_PREFIX)
         module, kind = _kind(folder, key, name)
         leaf = module.rsplit(".", 1)[-1]
-        if leaf in VOCAB_MODULES:
+        if module in SCORE_HEADS and kind in ("saved", "bias"):
+            heads.setdefault(module, {})[kind] = (name, tensor)
+        elif leaf in VOCAB_MODULES and kind != "bias":
             kinds = vocab.setdefault(leaf, {})
             if kind in kinds and not _same(kinds[kind][1], tensor):  # PEFT may save a matrix twice
                 raise InvalidAdapter(f"{folder}: tensors {kinds[kind][0]!r} and {name!r} should hold the same "
@@ -187,8 +208,9 @@ def _classify(folder: str, tensors: Mapping[str, Shaped]) -> tuple[dict, dict]:
             projections.setdefault(module, {})[kind] = tensor
         else:
             raise InvalidAdapter(f"{folder}: tensor {key!r} would replace or retrain module {module!r}; loraplex "
-                                 f"serves saved {' and '.join(VOCAB_MODULES)} only")
-    return projections, vocab
+                                 f"serves saved {' and '.join(VOCAB_MODULES)} and a classification head "
+                                 f"({' or '.join(SCORE_HEADS)}) only")
+    return projections, vocab, heads
 
 
 def _same(a: Shaped, b: Shaped) -> bool:
@@ -297,7 +319,7 @@ def _locate(folder: str, module: str, model_config: ModelConfig,
 
 
 def _content_hash(raw: Mapping, modules: Mapping[ModuleKey, Pair], magnitudes: Mapping[ModuleKey, torch.Tensor],
-                  vocab: Mapping[str, VocabModule]) -> str:
+                  vocab: Mapping[str, VocabModule], score_head: ScoreHead | None) -> str:
     """xxh3-128 of the normalised config and every served tensor, in a fixed order: change detection, not a
     security boundary (it reads ~16 GB/s; sha256 ~1.5, and it is on a cold load's critical path)."""
     digest = xxhash.xxh3_128(json.dumps(raw, sort_keys=True).encode())
@@ -308,6 +330,8 @@ def _content_hash(raw: Mapping, modules: Mapping[ModuleKey, Pair], magnitudes: M
         v = vocab[name]
         named += [(f"{name}:{v.vocab_size}", v.row_ids), ("", v.rows), ("m", v.magnitude),
                   *(("lora", t) for t in v.lora or ())]
+    if score_head is not None:
+        named += [("head:" + "\x00".join(score_head.class_labels), score_head.weight), ("bias", score_head.bias)]
     for label, tensor in named:
         digest.update(label.encode())
         if tensor is not None:

@@ -9,6 +9,8 @@
 - ``vocab["embed_tokens" | "lm_head"]``: the adapter's change to a vocabulary-sized module
   (``VocabModule``): rows it replaces or adds (``modules_to_save``, trainable tokens, a resized
   embedding), LoRA on it, and DoRA's magnitude.
+- ``score_head``: a sequence-classification head (PEFT ``SEQ_CLS``: ``score`` or ``classifier`` in
+  ``modules_to_save``), ``ScoreHead``; None for a generative adapter.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 ModuleKey = tuple[int, str]  # (layer_idx, projection name)
 Pair = tuple[torch.Tensor, torch.Tensor]
 VOCAB_MODULES = ("embed_tokens", "lm_head")
+SCORE_HEADS = ("score", "classifier")  # the names HF's *ForSequenceClassification give their head
 
 
 def _empty() -> Mapping[Any, Any]:
@@ -56,6 +59,29 @@ class VocabModule:
 
 
 @dataclass(frozen=True, eq=False)
+class ScoreHead:
+    """A sequence-classification head over the final hidden state ``h [hidden]`` of a prompt's last token
+    (after the final norm; HF's ``*ForSequenceClassification`` on an unpadded sequence):
+    ``logits = h @ weight^T + bias`` (``[num_labels]``; no bias: ``score`` heads have none)."""
+
+    weight: torch.Tensor  # [num_labels, hidden] float32
+    bias: torch.Tensor | None  # [num_labels] float32
+    class_labels: tuple[str, ...]  # class names by index (``id2label``; ``LABEL_i`` when none is given)
+
+    @property
+    def num_labels(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [hidden]`` (float32) -> ``[num_labels]`` float32."""
+        return torch.nn.functional.linear(hidden, self.weight, self.bias)
+
+
+@dataclass(frozen=True, eq=False)
 class AdapterWeights:
     """One adapter version, validated, on CPU; see the module docstring for the fields."""
 
@@ -67,6 +93,7 @@ class AdapterWeights:
     magnitudes: Mapping[ModuleKey, torch.Tensor] = field(default_factory=_empty)
     dora_scales: Mapping[ModuleKey, torch.Tensor] = field(default_factory=_empty)
     vocab: Mapping[str, VocabModule] = field(default_factory=_empty)
+    score_head: ScoreHead | None = None
 
     @property
     def uses_dora(self) -> bool:
@@ -75,8 +102,10 @@ class AdapterWeights:
     @property
     def scalable(self) -> bool:
         """Whether a per-request scale or mix can weight its whole delta: LoRA on block projections only (the
-        vocabulary modules, DoRA and stacked experts read a step's first LoRA pass unscaled: ``LoRABatch``)."""
-        return not self.vocab and not self.uses_dora and all(a.dim() == 2 for a, _ in self.modules.values())
+        vocabulary modules, DoRA and stacked experts read a step's first LoRA pass unscaled: ``LoRABatch``; a
+        classification head is not scaled)."""
+        return (not self.vocab and not self.uses_dora and self.score_head is None
+                and all(a.dim() == 2 for a, _ in self.modules.values()))
 
     @property
     def prepared(self) -> bool:
@@ -104,4 +133,5 @@ class AdapterWeights:
         lora = sum(a.nbytes + b.nbytes for a, b in self.modules.values())
         dora = sum(t.nbytes for t in (*self.magnitudes.values(), *self.dora_scales.values()))
         vocab = sum(v.nbytes - v.row_bytes for v in self.vocab.values())
-        return lora + dora + vocab + self.saved_bytes
+        head = 0 if self.score_head is None else self.score_head.nbytes
+        return lora + dora + vocab + self.saved_bytes + head

@@ -22,6 +22,10 @@ class PoolingParams:
       ``"cls"`` ``v = h[0]``.
     - ``dimensions``: keep ``v[:dimensions]`` (Matryoshka truncation); None keeps all ``hidden``.
     - ``normalize``: then ``v / max(||v||_2, 1e-12)`` (``torch.nn.functional.normalize``'s).
+    - ``classify``: instead return the request's adapter version's classification head applied to the last
+      token's state, ``logits = h[P - 1] @ W^T + b`` (``[num_labels]``; ``ScoreHead``: HF's
+      ``*ForSequenceClassification`` on an unpadded prompt); needs ``"last"``, no ``normalize``, no
+      ``dimensions``, and a version that has a head.
 
     "last" lets the prefix cache serve every prompt token but the last; "mean" and "cls" compute them all.
     """
@@ -29,6 +33,7 @@ class PoolingParams:
     pooling_type: str = "last"
     normalize: bool = True
     dimensions: int | None = None
+    classify: bool = False
 
     @property
     def needs_every_row(self) -> bool:
@@ -43,6 +48,11 @@ class PoolingParams:
                                "pooling")
         if not isinstance(self.normalize, bool):
             raise RequestError(f"normalize must be a boolean, got {self.normalize!r}", "normalize")
+        if not isinstance(self.classify, bool):
+            raise RequestError(f"classify must be a boolean, got {self.classify!r}", "classify")
+        if self.classify and (self.pooling_type != "last" or self.normalize or self.dimensions is not None):
+            raise RequestError("classification reads the classification head's logits of the last token: "
+                               "pooling 'last', no normalize, no dimensions", "pooling")
         dims = self.dimensions
         if dims is None:
             return

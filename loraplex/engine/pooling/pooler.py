@@ -10,6 +10,8 @@ A prompt may be prefilled in several chunks (chunked prefill), so each step read
 A ``mean`` chunk starting at 0 resets the sum (a preempted request is recomputed from its prompt); a ``last`` or
 ``cls`` read replaces it. ``mean`` and
 ``cls`` never start past 0 (the scheduler serves them no prefix-cache hit: ``PoolingParams.needs_every_row``).
+A classifying request's ``PoolState`` holds the head of the version it was admitted on (``RequestIntake``), so
+its logits are that version's whatever the name serves by the time it finishes.
 """
 
 from __future__ import annotations
@@ -19,16 +21,18 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.adapters.reading.weights import ScoreHead
 from loraplex.engine.pooling.params import PoolingParams
 
 
 @dataclass
 class PoolState:
     """One pooled request's pool so far: the float64 sum of the rows read (``mean``) or the row (``last``,
-    ``cls``), ``[hidden]``, and how many rows it holds."""
+    ``cls``), ``[hidden]``, and how many rows it holds; ``head``: a classifying request's version's head."""
 
     total: torch.Tensor | None = None  # [hidden] float64
     rows: int = 0
+    head: ScoreHead | None = None
 
     def add(self, hidden: torch.Tensor, restart: bool) -> None:
         """Fold ``hidden [n, hidden]`` (the rows one step read) in; ``restart`` drops what it held first."""
@@ -38,8 +42,12 @@ class PoolState:
         self.rows += hidden.shape[0]
 
     def vector(self, params: PoolingParams) -> list[float]:
-        """The pooled vector: ``total / rows``, truncated to ``dimensions``, L2-normalised if asked."""
+        """The pooled vector: ``total / rows``, truncated to ``dimensions``, L2-normalised if asked; with
+        ``classify`` the head's logits of it (``[num_labels]``)."""
         assert self.total is not None and self.rows > 0, "a pooled request finished without rows"
+        if params.classify:
+            assert self.head is not None, "a classifying request was admitted without its version's head"
+            return self.head.logits((self.total / self.rows).to(torch.float32)).tolist()
         v = (self.total / self.rows).to(torch.float32)[: params.dimensions]  # [dims]
         if params.normalize:
             v = torch.nn.functional.normalize(v, dim=0)

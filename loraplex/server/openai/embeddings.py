@@ -37,12 +37,14 @@ class EmbeddingRequest(_Body):
         """One entry per embedding: a text, or token ids."""
         return prompt_list(self.input, "input")
 
+    def light(self) -> EmbeddingRequest:
+        """This body with its inputs emptied (a process worker reads them again from the raw bytes)."""
+        return self.model_copy(update={"input": ""})
+
     def pooling(self, model: ModelPooling) -> PoolingParams:
         """The body's ``PoolingParams`` under ``model``'s defaults; ``RequestError`` on ``dimensions`` where the
         model allows no truncation (or not that one), on ``model`` where its pooling is unsupported."""
-        if model.pooling_type is None:
-            raise RequestError(f"this model cannot serve embeddings: {model.unsupported} (the server may choose "
-                               "one with --pooling last|mean|cls)", "model")
+        default = model_pooling_params(model)
         dims = self.dimensions
         if dims is not None:
             if not model.matryoshka:
@@ -51,9 +53,18 @@ class EmbeddingRequest(_Body):
             if model.matryoshka_dimensions and dims not in model.matryoshka_dimensions:
                 raise RequestError(f"dimensions must be one of {list(model.matryoshka_dimensions)} for this model, "
                                    f"got {dims}", "dimensions")
-        params = PoolingParams(model.pooling_type, model.normalize, dims)
+        params = PoolingParams(default.pooling_type, default.normalize, dims)
         params.validate(model.hidden_size)
         return params
+
+
+def model_pooling_params(model: ModelPooling) -> PoolingParams:
+    """The served model's pooling (type and normalization, no truncation); ``RequestError`` on ``model`` where
+    its pooling is unsupported."""
+    if model.pooling_type is None:
+        raise RequestError(f"this model cannot serve embeddings: {model.unsupported} (the server may choose "
+                           "one with --pooling last|mean|cls)", "model")
+    return PoolingParams(model.pooling_type, model.normalize)
 
 
 class EmbeddingData(BaseModel):

@@ -28,6 +28,7 @@ from loraplex.server.openai.strict_fields import (
     VLLM_DEFAULTS,
 )
 from loraplex.server.openai.structured import NESTED_PARTS
+from loraplex.server.tenancy.access import KEYED_PATHS, needs_key
 
 STATUS_TEXT = {
     400: "Invalid request: OpenAI's error body, `param` names the field",
@@ -156,11 +157,11 @@ def _complete(schema: dict[str, Any], vocab: int, max_len: int, auth: bool, mode
             responses.pop("422", None)
             responses.setdefault("503", {"description": DRAINING, "content": {"application/json": {
                 "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}})
-            if auth and path.startswith("/v1"):
+            if auth and needs_key(path):
                 responses["401"] = {"description": STATUS_TEXT[401], "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
                 operation["security"] = [{"bearer": []}]
-            limited = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+            limited = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", *KEYED_PATHS)
             if auth and path in limited:  # a key's limits (tenancy/quotas.py)
                 responses["429"] = {"description": STATUS_TEXT[429], "headers": RETRY_AFTER, "content": {
                     "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
@@ -177,8 +178,9 @@ def _complete(schema: dict[str, Any], vocab: int, max_len: int, auth: bool, mode
     _add_fields(schemas["ChatMessage"], MESSAGE_UNIMPLEMENTED)
     for model in ("StreamOptions", "LoadAdapterRequest", "UnloadAdapterRequest", *NESTED_PARTS):
         _add_fields(schemas[model], {})
-    if "EmbeddingRequest" in schemas:
-        _add_fields(schemas["EmbeddingRequest"], {})
+    for model in ("EmbeddingRequest", "ClassificationRequest", "ScoreRequest", "RerankRequest"):
+        if model in schemas:
+            _add_fields(schemas[model], {})
     for model in ("CompletionRequest", "ChatCompletionRequest"):
         props = schemas[model]["properties"]
         props["model"]["examples"] = models

@@ -150,12 +150,13 @@ class RequestPreparer:
     async def chat(self, parsed: Parsed, version: Version) -> Prepared:
         return await self._run("chat", self._light(parsed), self._job(version))
 
-    async def parse_embedding(self, raw: bytes) -> Parsed:
+    async def parse_pooling(self, raw: bytes, task: str) -> Parsed:
+        """Parse the body of pooling route ``task``: ``embeddings``, ``classify``, ``score`` or ``rerank``."""
         light = bool(self.processes)
-        return Parsed(await self._run("parse_embedding", raw, light), raw, light)
+        return Parsed(await self._run("parse_pooling", raw, light, task), raw, light)
 
-    async def embedding(self, parsed: Parsed, version: Version) -> Prepared:
-        return await self._run("embedding", self._light(parsed), self._job(version))
+    async def pooling(self, parsed: Parsed, version: Version, task: str) -> Prepared:
+        return await self._run("pooling", self._light(parsed), self._job(version), task)
 
     @staticmethod
     def _light(parsed: Parsed) -> Parsed:

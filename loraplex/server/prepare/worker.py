@@ -27,13 +27,13 @@ from loraplex.client.tokenizers import VersionTokenizers
 from loraplex.engine.request import check_context_length
 from loraplex.errors import RequestError
 from loraplex.server.limits import check_stop
-from loraplex.server.openai.embeddings import EmbeddingRequest
 from loraplex.server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     TokenizeChatRequest,
     render_chat,
 )
+from loraplex.server.openai.scoring import POOLING_BODIES, PoolingBody, input_field, pooled_inputs
 from loraplex.server.prepare.prompt_bound import PromptBound
 
 
@@ -105,18 +105,29 @@ class PrepareWorker:
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return Prepared([self.token_ids(tokenizer, body.prompt_text(tokenizer), _reserve(limit, 1), "messages")], [])
 
-    def parse_embedding(self, raw: bytes, light: bool) -> EmbeddingRequest:
-        body = _parse(EmbeddingRequest, raw)
-        return body.model_copy(update={"input": ""}) if light else body
+    def parse_pooling(self, raw: bytes, light: bool, task: str) -> PoolingBody:
+        """Parse the body of pooling route ``task`` (``POOLING_BODIES``); light: its inputs emptied."""
+        body = _parse(POOLING_BODIES[task], raw)
+        return body.light() if light else body
 
-    def embedding(self, parsed: Parsed, version: Version) -> Prepared:
-        """``/v1/embeddings``' inputs as token ids: texts tokenized as sentence-transformers does (with the
-        tokenizer's special tokens), token ids as given."""
-        body = _parse(EmbeddingRequest, parsed.raw) if parsed.light else parsed.body
+    def pooling(self, parsed: Parsed, version: Version, task: str) -> Prepared:
+        """A pooling body's inputs (``pooled_inputs``) as token ids: texts tokenized as sentence-transformers
+        does (with the tokenizer's special tokens), a pair as HF's sentence-pair encoding, token ids as given."""
+        body = _parse(POOLING_BODIES[task], parsed.raw) if parsed.light else parsed.body
         tokenizer = self.tokenizers.tokenizer_for(version)
-        inputs = body.inputs()
-        check_unicode(inputs, "input")
-        return Prepared([self.token_ids(tokenizer, text, 0, "input", special_tokens=True) for text in inputs], [])
+        inputs = pooled_inputs(body, version.class_labels is not None)
+        field = input_field(body)
+        check_unicode([list(x) if isinstance(x, tuple) else x for x in inputs], field)
+        return Prepared([self.pair_ids(tokenizer, x, field) if isinstance(x, tuple) else
+                         self.token_ids(tokenizer, x, 0, field, special_tokens=True) for x in inputs], [])
+
+    def pair_ids(self, tokenizer: Any, pair: tuple[str, str], param: str) -> list[int]:
+        """``tokenizer(text_1, text_2)``'s ids (HF's sentence-pair encoding, special tokens included), refused
+        (on ``param``) before it is tokenized when its characters alone cannot fit the context."""
+        if tokenizer is None:
+            raise RequestError("this model has no tokenizer: pass token ids", param)
+        self.check_characters(tokenizer, len(pair[0]) + len(pair[1]), 0, param)
+        return list(tokenizer(pair[0], pair[1], add_special_tokens=True)["input_ids"])
 
     def tokenize(self, body: Any, version: Version) -> tuple[list[int], list[str] | None]:
         """``/tokenize``: (token ids, their strings when asked) of a prompt or of rendered chat messages."""
@@ -142,15 +153,20 @@ class PrepareWorker:
             return list(prompt)
         if tokenizer is None:
             raise RequestError("this model has no tokenizer: pass token ids", param)
+        self.check_characters(tokenizer, len(prompt), reserve, param)
+        return tokenizer.encode(prompt, add_special_tokens=special_tokens)
+
+    def check_characters(self, tokenizer: Any, characters: int, reserve: int, param: str) -> None:
+        """``RequestError`` on ``param`` when a text of ``characters`` characters has, by the tokenizer's
+        ``PromptBound``, too many tokens to fit the context with ``reserve`` new tokens."""
         bound = self.bound(tokenizer)
-        if bound is not None and bound.min_tokens(len(prompt)) + reserve > self.config.max_model_len:
+        if bound is not None and bound.min_tokens(characters) + reserve > self.config.max_model_len:
             try:
-                check_context_length(bound.min_tokens(len(prompt)), reserve, self.config.max_model_len,
-                                     f"{len(prompt)} characters: at least ")
+                check_context_length(bound.min_tokens(characters), reserve, self.config.max_model_len,
+                                     f"{characters} characters: at least ")
             except RequestError as exc:
                 exc.param = param if exc.param == "prompt" else exc.param
                 raise
-        return tokenizer.encode(prompt, add_special_tokens=special_tokens)
 
     def bound(self, tokenizer: Any) -> PromptBound | None:
         """``tokenizer``'s ``PromptBound``, computed once per tokenizer."""

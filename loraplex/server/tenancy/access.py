@@ -37,13 +37,22 @@ def caller(request: HTTPConnection) -> ApiKey:
     return request.scope.get(_SCOPE_KEY, OPEN_ACCESS)
 
 
+# vLLM's pooling routes outside /v1: they run the model, so they need a key as /v1 does
+KEYED_PATHS = ("/classify", "/score", "/rerank")
+
+
+def needs_key(path: str) -> bool:
+    """Whether a request to ``path`` must carry an API key (when the server has keys)."""
+    return path.startswith("/v1") or path in KEYED_PATHS
+
+
 class BearerAuthMiddleware:
     def __init__(self, app: ASGIApp, keys: KeyTable) -> None:
         self.app = app
         self._keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        guarded = scope["type"] == "http" and (scope["path"].startswith("/v1") or (
+        guarded = scope["type"] == "http" and (needs_key(scope["path"]) or (
             scope["path"] == "/metrics" and not self._keys.open_metrics))
         if guarded:
             key = self.authorized(scope)
