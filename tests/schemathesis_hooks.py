@@ -8,7 +8,9 @@ loaded adapters' names with ``model`` the base model's, and a structured-output 
 valid (a schema, regex or grammar that compiles; a tool_choice naming a tool) and not combined with
 ``ignore_eos`` / ``min_tokens`` (checked with the server's own request models). Prompts are counted
 exactly, with the served model's tokenizer and the server's own chat rendering (``LORAPLEX_TEST_MODEL``,
-``LORAPLEX_TEST_MAX_MODEL_LEN``); ``/v1/embeddings``' inputs must each fit the context alike."""
+``LORAPLEX_TEST_MAX_MODEL_LEN``); ``/v1/embeddings``' and ``/classify``'s inputs must each fit the context alike,
+and so must every text and every pair (``tokenizer(text_1, text_2)``, a cross-encoder's input) of ``/score`` and
+``/rerank``; ``/score``'s two lists, when neither is one text, must be of one length."""
 
 from __future__ import annotations
 
@@ -102,8 +104,10 @@ def filter_case(ctx: schemathesis.HookContext, case: Any) -> bool:
 
 def _acceptable(operation: str, body: object) -> bool:
     """Whether a generation ``body`` keeps every cross-field rule (module docstring); other bodies always."""
-    if operation == "/v1/embeddings" and isinstance(body, dict):
+    if operation in ("/v1/embeddings", "/classify") and isinstance(body, dict):
         return _embedding_inputs_fit(body)
+    if operation in ("/score", "/rerank") and isinstance(body, dict):
+        return _pairs_fit(body)
     if operation == "/v1/responses" and isinstance(body, dict):
         chat = _as_chat(body)
         if chat is None:
@@ -130,6 +134,25 @@ def _acceptable(operation: str, body: object) -> bool:
     # without max_tokens a chat choice may run to the end of the context (the server's default)
     per_choice = limit if given or "prompt" in body else MAX_MODEL_LEN - tokens
     return tokens + limit <= MAX_MODEL_LEN and _choices(body) * per_choice <= REQUEST_OUTPUT_TOKENS
+
+
+def _pairs_fit(body: dict) -> bool:
+    """Whether every text and every pair of a ``/score`` or ``/rerank`` body fits the context (pairs as a
+    one-text side pairs with each of the other's); a body that is schema-invalid anyway passes."""
+    if "query" in body:
+        first, second = [body.get("query")], body.get("documents")
+    else:
+        first, second = body.get("text_1"), body.get("text_2")
+    first, second = ([x] if isinstance(x, str) else x for x in (first, second))
+    if not (isinstance(first, list) and isinstance(second, list) and all(
+            isinstance(t, str) for t in [*first, *second])):
+        return True
+    if len(first) > 1 and len(second) > 1 and len(first) != len(second):
+        return False  # two lists pair up one to one
+    tokenizer = _tokenizer()
+    texts = max((len(tokenizer.encode(t)) for t in [*first, *second]), default=0)
+    pairs = max((len(tokenizer(a, b)["input_ids"]) for a in first for b in second), default=0)
+    return max(texts, pairs) <= MAX_MODEL_LEN
 
 
 def _embedding_inputs_fit(body: dict) -> bool:

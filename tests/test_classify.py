@@ -7,8 +7,8 @@ request keeps the head of the version it was admitted on across a reload."""
 from __future__ import annotations
 
 import json
-import re
 import random
+import re
 from pathlib import Path
 
 import pytest

@@ -18,6 +18,7 @@ from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
 from loraplex.engine.sampling.params import MAX_LOGPROBS, MAX_N, TEMPERATURE_MAX
 from loraplex.server.app import create_app
+from tests.classifier_fixtures import write_classifier_adapter
 from tests.fixtures import write_tiny_model
 from tests.server_harness import BASE, running_server
 
@@ -34,6 +35,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def url(model: Path, tmp_path_factory: pytest.TempPathFactory, tiny_llama_adapters: dict[str, Path]) -> Iterator[str]:
     engine = Engine(EngineConfig(model=str(model), max_num_seqs=32, kv_cache_blocks=96, max_lora_rank=16))
     engine.load_adapter("r4_attn", tiny_llama_adapters["r4_attn"])
+    engine.load_adapter("relevance", write_classifier_adapter(model, tmp_path_factory.mktemp("cls") / "relevance", 1))
     root = tmp_path_factory.mktemp("root")
     app = create_app(AsyncEngine(engine), served_model_name=BASE, allow_runtime_adapters=True, adapter_roots=[root],
                      api_key=KEY)

@@ -141,6 +141,11 @@ class EngineClient(abc.ABC):
         self._sync_versions()
         return self.directory.names()
 
+    def served_class_label_counts(self) -> dict[str, int | None]:
+        """Every loaded adapter's name and its current version's number of classes (None: no head)."""
+        self._sync_versions()
+        return self.directory.class_label_counts()
+
     def has_adapter(self, name: str) -> bool:
         """Whether an adapter named ``name`` is loaded now (O(1); never waits on the engine)."""
         self._sync_versions()

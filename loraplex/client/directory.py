@@ -151,6 +151,13 @@ class AdapterDirectory:
         with self._lock:
             return {name: self._versions[entry.current].vocab_size for name, entry in self._view.names.items()}
 
+    def class_label_counts(self) -> dict[str, int | None]:
+        """Every loaded adapter name -> how many classes its current version's classification head has (None:
+        it has none)."""
+        with self._lock:
+            labels = {name: self._versions[entry.current].class_labels for name, entry in self._view.names.items()}
+        return {name: None if names is None else len(names) for name, names in labels.items()}
+
     def _entry(self, name: str) -> NameView:
         entry = self._view.names.get(name)
         if entry is None:

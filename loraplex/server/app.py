@@ -122,7 +122,7 @@ def create_app(
     install_error_handlers(app)
     app.state.pooling = model_pooling(client.model_path).overridden(pooling)
     install_openapi(app, max_model_len=client.max_model_len, auth=keys is not None, served=partial(_served_models, ctx),
-                    bodies=READ_BY_HAND, pooling=app.state.pooling)
+                    bodies=READ_BY_HAND, pooling=app.state.pooling, heads=partial(_served_heads, ctx))
     _add_middlewares(app, ctx, max_request_bytes or default_max_request_bytes(client.max_model_len))
     app.state.tool_call_parser, app.state.reasoning_parser = tool_call_parser, reasoning_parser
     _install_routes(app, ctx)
@@ -195,6 +195,11 @@ async def _lifespan(ctx: ServerContext, _: FastAPI) -> AsyncIterator[None]:
     await asyncio.to_thread(ctx.preparer.shutdown)
     if owns:
         await asyncio.to_thread(ctx.client.shutdown)
+
+
+def _served_heads(ctx: ServerContext) -> dict[str, int | None] | None:
+    """Each served adapter's number of classes (None: no head); None under scoped keys (names must not leak)."""
+    return None if ctx.keys is not None and ctx.keys.scoped else ctx.client.served_class_label_counts()
 
 
 def _served_models(ctx: ServerContext) -> tuple[list[str], int]:

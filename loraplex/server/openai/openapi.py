@@ -20,6 +20,7 @@ from pydantic.json_schema import models_json_schema
 from loraplex.models.pooling_config import ModelPooling
 from loraplex.server.openai.embeddings import complete_embedding_schema
 from loraplex.server.openai.schemas import ErrorResponse
+from loraplex.server.openai.scoring import complete_scoring_schema
 from loraplex.server.openai.strict_fields import (
     CHAT_UNIMPLEMENTED,
     COMPLETION_UNIMPLEMENTED,
@@ -111,12 +112,14 @@ def _add_fields(schema: dict[str, Any], table: Mapping[str, tuple[tuple[Any, ...
 def install_openapi(app: FastAPI, *, max_model_len: int, auth: bool,
                     served: Callable[[], tuple[list[str], int]],
                     bodies: Mapping[str, type[BaseModel]] = {},  # noqa: B006 - read only
-                    pooling: ModelPooling | None = None) -> None:
+                    pooling: ModelPooling | None = None,
+                    heads: Callable[[], dict[str, int | None] | None] = lambda: None) -> None:
     """Replace ``app.openapi`` with the completed schema, built on first use and cached until
     ``reset_openapi``. ``served()`` gives the model names a request may use now and the widest
     vocabulary among them (an adapter may add tokens). ``bodies`` (path -> model) are the POST bodies
     that routes read by hand (parsed off the event loop), put back into the schema. ``pooling``: the served
-    model's embedding defaults (what ``/v1/embeddings``' ``dimensions`` may be)."""
+    model's embedding defaults (what ``/v1/embeddings``' ``dimensions`` may be). ``heads()``: each served adapter's
+    number of classes (None: no head), None where names must not be listed (``complete_scoring_schema``)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -128,6 +131,7 @@ def install_openapi(app: FastAPI, *, max_model_len: int, auth: bool,
             if "EmbeddingRequest" in schema["components"]["schemas"]:
                 complete_embedding_schema(schema["components"]["schemas"]["EmbeddingRequest"], vocab, models,
                                           pooling or ModelPooling())
+            complete_scoring_schema(schema["components"]["schemas"], models[0], vocab, heads())
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -4,11 +4,11 @@
 - ``/classify``: ``input`` one text, texts, token ids or lists of them; each is classified by the model's
   classification head (a PEFT ``SEQ_CLS`` adapter's ``score``): ``probs = softmax(logits)``, ``label`` the most
   probable class's name.
-- ``/score``: ``text_1`` and ``text_2``, each a text or a list of texts: one text against each of a list, or two
-  lists of equal length pairwise. ``/rerank``: ``query`` against each of ``documents``, the ``top_n`` best
-  first. A model with a classification head scores a pair as a cross-encoder: the pair tokenized together
-  (``tokenizer(text_1, text_2)``, HF's sentence-pair encoding), ``score = sigmoid(logit)`` of its one-label
-  head. A model without one scores as an embedder: ``score = cos(e_1, e_2)`` of the two texts' embeddings.
+- ``/score``: ``text_1`` and ``text_2``, each a text or a list of texts: one text against each of a list (on
+  either side), or two lists of equal length pairwise. ``/rerank``: ``query`` against each of ``documents``,
+  the ``top_n`` best first. A model with a classification head scores a pair as a cross-encoder: the pair
+  tokenized together (``tokenizer(text_1, text_2)``, HF's sentence-pair encoding), ``score = sigmoid(logit)`` of
+  its one-label head. A model without one scores as an embedder: ``score = cos(e_1, e_2)`` of the two texts' embeddings.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from loraplex.server.openai.protocol import Int, _Body, prompt_list
 
 PairInput = str | tuple[str, str] | list[int]  # a text, a (text_1, text_2) pair, or token ids
 ListOrText = str | list[str]
-_TEXTS = {"minLength": 1, "minItems": 1, "items": {"minLength": 1}}
+_TEXTS = {"minLength": 1, "minItems": 1, "items": {"type": "string", "minLength": 1}}
 
 
 class ClassificationRequest(_Body):
@@ -64,9 +64,11 @@ class ScoreRequest(_Body):
             raise RequestError(f"{'text_1' if not first else 'text_2'} is empty", "text_1" if not first else "text_2")
         if len(first) == 1:
             first = first * len(second)
+        if len(second) == 1:
+            second = second * len(first)
         if len(first) != len(second):
-            raise RequestError(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or lists "
-                               "of equal length (scored pairwise)", "text_2")
+            raise RequestError(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text on either "
+                               "side, or lists of equal length (scored pairwise)", "text_2")
         return list(zip(first, second, strict=True))
 
     def light(self) -> ScoreRequest:
@@ -81,7 +83,7 @@ class RerankRequest(_Body):
     unimplemented: ClassVar = {}
     model: str
     query: str = Field(json_schema_extra={"minLength": 1})
-    documents: list[str] = Field(json_schema_extra={"minItems": 1, "items": {"minLength": 1}})
+    documents: list[str] = Field(json_schema_extra={"minItems": 1, "items": {"type": "string", "minLength": 1}})
     top_n: Int | None = Field(None, json_schema_extra={"minimum": 1})
     return_documents: bool = True
     user: str | None = None
@@ -207,3 +209,28 @@ def pooled_inputs(body: PoolingBody, cross_encoder: bool) -> list[PairInput]:
         return list(body.inputs())
     pairs = body.pairs()
     return list(pairs) if cross_encoder else list(score_texts(pairs))
+
+
+def complete_scoring_schema(schemas: dict, base_name: str, vocab: int, heads: dict[str, int | None] | None) -> None:
+    """The pooling bodies as the server answers: ``/classify``'s token ids below ``vocab``; its ``model`` an
+    adapter with a classification head, ``/score`` and ``/rerank``'s the base model, an adapter without one or one
+    with a one-label head. ``heads``: each served adapter's number of classes (None: no head); None when names
+    must not be listed."""
+    if "ClassificationRequest" in schemas:
+        props = schemas["ClassificationRequest"]["properties"]
+        token = {"minimum": 0, "maximum": vocab - 1, "description": "A token id below the vocabulary of the model "
+                 "named, else 400."}
+        props["input"]["items"] = {**props["input"]["items"], **token, "items": token}
+        props["input"]["description"] = "Each input's tokens must fit the context, else 400."
+    if heads is None:
+        return
+    classifiers = [name for name, n in heads.items() if n is not None]
+    scorers = [base_name, *(name for name, n in heads.items() if n in (None, 1))]
+    why = "Another model is a 400 (no classification head, or one with several labels) or a 404."
+    if "ClassificationRequest" in schemas:
+        schemas["ClassificationRequest"]["properties"]["model"] = (
+            {"type": "string", "enum": classifiers, "description": why} if classifiers else
+            {"type": "string", "description": "No served model has a classification head: any model is a 400."})
+    for model in ("ScoreRequest", "RerankRequest"):
+        if model in schemas:
+            schemas[model]["properties"]["model"] = {"type": "string", "enum": scorers, "description": why}
