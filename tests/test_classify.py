@@ -7,7 +7,6 @@ request keeps the head of the version it was admitted on across a reload."""
 from __future__ import annotations
 
 import json
-import random
 import re
 from pathlib import Path
 
@@ -20,15 +19,11 @@ from loraplex.errors import AdapterShapeMismatch
 from tests.classifier_fixtures import hf_classifier_logits, write_classifier_adapter
 from tests.fixtures import write_embedding_adapter
 from tests.reference import assert_embedding_close, hf_embeddings
+from tests.test_pooling import prompts_of
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 CLASSIFY = SamplingParams(max_tokens=0, pooling=PoolingParams("last", normalize=False, classify=True))
 LABELS = ("negative", "neutral", "positive")
-
-
-def prompts_of(n: int, seed: int, lo: int = 3, hi: int = 30) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 @pytest.fixture(scope="module")

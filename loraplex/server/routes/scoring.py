@@ -11,6 +11,7 @@ under the model's pooling.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -75,9 +76,10 @@ async def classify(request: Request) -> Response:
                                                 sum(len(p) for p in prompts)), headers={VERSION_HEADER: version.label})
 
 
-async def _scores(request: Request, task: str) -> tuple[ScoreRequest | RerankRequest, Version, list[float], int] \
-        | Response:
-    """(body, version, one score per pair, prompt tokens) of a score or rerank body; or the ending response."""
+async def _scored(request: Request, task: str,
+                  respond: Callable[[ScoreRequest | RerankRequest, list[float], int], dict]) -> Response:
+    """A score or rerank body's answer: ``respond(body, one score per pair, prompt tokens)``, or the response
+    that ended the request."""
     ctx = context(request)
     parsed = await ctx.preparer.parse_pooling(await request.body(), task)
     body: ScoreRequest | RerankRequest = parsed.body
@@ -98,25 +100,16 @@ async def _scores(request: Request, task: str) -> tuple[ScoreRequest | RerankReq
     else:
         by_text = dict(zip(score_texts(pairs), vectors, strict=True))
         scores = [cosine(by_text[a], by_text[b]) for a, b in pairs]
-    return body, version, scores, sum(len(p) for p in prompts)
+    return JSONResponse(respond(body, scores, sum(len(p) for p in prompts)), headers={VERSION_HEADER: version.label})
 
 
 @router.post("/score", response_model=None, responses=documented(ScoreResponse, *GENERATION_ERRORS))
 @router.post("/v1/score", response_model=None, include_in_schema=False)
 async def score(request: Request) -> Response:
-    result = await _scores(request, "score")
-    if isinstance(result, Response):
-        return result
-    body, version, scores, prompt_tokens = result
-    return JSONResponse(score_response(body.model, scores, prompt_tokens), headers={VERSION_HEADER: version.label})
+    return await _scored(request, "score", lambda body, scores, tokens: score_response(body.model, scores, tokens))
 
 
 @router.post("/rerank", response_model=None, responses=documented(RerankResponse, *GENERATION_ERRORS))
 @router.post("/v1/rerank", response_model=None, include_in_schema=False)
 async def rerank(request: Request) -> Response:
-    result = await _scores(request, "rerank")
-    if isinstance(result, Response):
-        return result
-    body, version, scores, prompt_tokens = result
-    assert isinstance(body, RerankRequest)
-    return JSONResponse(rerank_response(body, scores, prompt_tokens), headers={VERSION_HEADER: version.label})
+    return await _scored(request, "rerank", rerank_response)  # type: ignore[arg-type]  # a rerank body
