@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplex.adapters.reading.weights import ScoreHead
+
 
 @dataclass(frozen=True)
 class AdapterInfo:
@@ -29,7 +31,7 @@ class AdapterInfo:
     # aLoRA: its delta applies from the last occurrence of these token ids in a request's prompt on (else None)
     alora_invocation_tokens: tuple[int, ...] | None = None
     # a SEQ_CLS adapter's classification head (``reading.weights.ScoreHead``), read with this version; else None
-    score_head: Any = field(default=None, compare=False, repr=False)
+    score_head: ScoreHead | None = field(default=None, compare=False, repr=False)
 
     @property
     def class_labels(self) -> tuple[str, ...] | None:
