@@ -26,7 +26,7 @@ from loraplex.client.inproc import engine_directory, sync_directory
 from loraplex.client.output import ClassificationOutput, EmbeddingOutput, OutputProcessor, RequestOutput
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
-from loraplex.engine.pooling.params import PoolingParams
+from loraplex.engine.pooling.params import CLASSIFICATION, PoolingParams
 from loraplex.engine.request import NewRequest, SamplingParams
 from loraplex.engine.stats import EngineStats
 from loraplex.errors import RequestError
@@ -173,7 +173,7 @@ class LLM:
             if version.class_labels is None:
                 raise RequestError(f"adapter {name!r} has no classification head (a PEFT SEQ_CLS adapter saves "
                                    "'score' or 'classifier' in modules_to_save)", "adapters")
-        params = SamplingParams(max_tokens=0, pooling=PoolingParams("last", normalize=False, classify=True))
+        params = SamplingParams(max_tokens=0, pooling=CLASSIFICATION)
         outs = self._generate_on(prompts, [params] * len(prompts), versions, use_tqdm)  # type: ignore[arg-type]
         return [ClassificationOutput.of(out, version.class_labels or ())
                 for out, version in zip(outs, versions, strict=True)]

@@ -60,3 +60,6 @@ class PoolingParams:
                 hidden_size is not None and dims > hidden_size):
             limit = f"[1, {hidden_size}] (the model's hidden size)" if hidden_size is not None else ">= 1"
             raise RequestError(f"dimensions must be an integer in {limit}, got {dims!r}", "dimensions")
+
+
+CLASSIFICATION = PoolingParams("last", normalize=False, classify=True)  # what every classifying request pools

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from loraplex.client.directory import Version
 from loraplex.client.output import softmax
-from loraplex.engine.pooling.params import PoolingParams
+from loraplex.engine.pooling.params import CLASSIFICATION
 from loraplex.errors import RequestError
 from loraplex.server.context import context
 from loraplex.server.generation import VERSION_HEADER
@@ -40,7 +40,6 @@ from loraplex.server.openai.scoring import (
 from loraplex.server.routes.embeddings import pool_prompts
 
 router = APIRouter()
-CLASSIFY = PoolingParams("last", normalize=False, classify=True)
 
 
 def _class_labels(version: Version, model: str) -> tuple[str, ...]:
@@ -69,7 +68,7 @@ async def classify(request: Request) -> Response:
     version = await ctx.route(request, body.model)
     class_labels = _class_labels(version, body.model)
     prompts = (await ctx.preparer.pooling(parsed, version, "classify")).prompt_token_ids
-    logits = await pool_prompts(request, ctx, body.model, version, prompts, CLASSIFY, body.priority, "input")
+    logits = await pool_prompts(request, ctx, body.model, version, prompts, CLASSIFICATION, body.priority, "input")
     if isinstance(logits, Response):
         return logits
     return JSONResponse(classification_response(body.model, [softmax(z) for z in logits], class_labels,
@@ -89,7 +88,7 @@ async def _scored(request: Request, task: str,
     if cross_encoder and len(version.class_labels) != 1:
         raise RequestError(f"model {body.model!r}'s classification head has {len(version.class_labels)} labels: "
                            "scoring needs a one-label (cross-encoder) head; /classify serves this one", "model")
-    pooling = CLASSIFY if cross_encoder else model_pooling_params(request.app.state.pooling)
+    pooling = CLASSIFICATION if cross_encoder else model_pooling_params(request.app.state.pooling)
     prompts = (await ctx.preparer.pooling(parsed, version, task)).prompt_token_ids
     vectors = await pool_prompts(request, ctx, body.model, version, prompts, pooling, body.priority,
                                  input_field(body))
